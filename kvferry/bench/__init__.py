@@ -1,0 +1,1 @@
+"""llama-bench-style benchmark, link probe and plots."""

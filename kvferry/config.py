@@ -1,0 +1,76 @@
+"""Frozen run configuration. The CLI maps flags onto these in one place (cli.py);
+__post_init__ validates, raising KvferryError with a message that says what to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvferry import KvferryError
+
+
+@dataclass(frozen=True)
+class KVConfig:
+    kv_type: str = "auto"  # auto = the compute dtype; f32 f16 bf16 q8_0 q4_0 fp8
+    offload: bool = False  # -nkvo: keep the KV cache in host memory
+    pinned: bool = True  # host cache in pinned (page-locked) memory
+    depth: int = 1  # -kvpd: look-ahead of the pipelined transport, 0 = ordered
+    budget_mib: float = 128.0  # -kvpb: cap on the ring's device memory, 0 = no cap
+    chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
+    debug: int = 0  # --kv-debug 0/1/2
+    staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
+
+    def __post_init__(self):
+        if self.depth < 0:
+            raise KvferryError(f"-kvpd must be >= 0 (0 = ordered), got {self.depth}")
+        if self.budget_mib < 0:
+            raise KvferryError(f"-kvpb must be >= 0 MiB (0 = no cap), got {self.budget_mib}")
+        if self.chunk_rows < 1:
+            raise KvferryError(f"--kv-chunk must be >= 1 row, got {self.chunk_rows}")
+        if self.debug not in (0, 1, 2):
+            raise KvferryError(f"--kv-debug must be 0, 1 or 2, got {self.debug}")
+        if self.staging_cap_mib < 1:
+            raise KvferryError(f"--staging-cap must be >= 1 MiB, got {self.staging_cap_mib}")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = -1  # -1: a random seed
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise KvferryError(f"--temp must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise KvferryError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise KvferryError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise KvferryError(f"--min-p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # path to a .gguf file or an HF model directory; None = default
+    device: str = "auto"  # auto, cpu, cuda, cuda:N
+    dtype: str = "auto"  # auto (bf16 on cuda, f32 on cpu), f32, f16, bf16
+    ctx_size: int = 4096  # -c: positions per sequence
+    num_seqs: int = 1  # -np: sequences decoded together
+    ubatch: int = 512  # prompt tokens per forward pass during prefill
+    kv: KVConfig = KVConfig()
+
+    def __post_init__(self):
+        if self.ctx_size < 1:
+            raise KvferryError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
+        if self.num_seqs < 1:
+            raise KvferryError(f"-np must be >= 1, got {self.num_seqs}")
+        if self.ubatch < 1:
+            raise KvferryError(f"--ubatch must be >= 1, got {self.ubatch}")
+        if self.dtype not in ("auto", "f32", "f16", "bf16"):
+            raise KvferryError(f"--dtype must be one of auto, f32, f16, bf16; got '{self.dtype}'")

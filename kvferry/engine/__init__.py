@@ -1,0 +1,1 @@
+"""Engine: sequences, sampling and the generation loop."""

@@ -1,0 +1,1 @@
+"""Model runtime: architectures, weight loading (GGUF, safetensors), tokenizer, chat template."""

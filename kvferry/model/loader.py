@@ -1,0 +1,266 @@
+"""Weight loading: GGUF (through the `gguf` package) and Hugging Face safetensors
+directories, plus random weights of a preset shape for speed runs.
+
+Each tensor is read (memory-mapped), dequantized to the compute dtype and moved to the
+device before the next one is touched, so the host never holds a second full copy of the
+model. Internal names: embed, norm, lm_head, rope_freqs, layers.{i}.{attn_norm, wq, wk,
+wv, bq, bk, bv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvferry import KvferryError
+from kvferry.model.arch import ModelConfig, arch_spec
+
+log = logging.getLogger(__name__)
+
+GGUF_NAMES = {
+    "token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head",
+    "rope_freqs.weight": "rope_freqs",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
+    "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk", "attn_v.bias": "bv",
+    "attn_output.weight": "wo", "attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm",
+    "ffn_norm.weight": "ffn_norm", "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
+    "ffn_down.weight": "w_down",
+}
+HF_NAMES = {"model.embed_tokens.weight": "embed", "model.norm.weight": "norm", "lm_head.weight": "lm_head"}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk", "self_attn.v_proj.weight": "wv",
+    "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk", "self_attn.v_proj.bias": "bv",
+    "self_attn.o_proj.weight": "wo", "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm", "post_attention_layernorm.weight": "ffn_norm",
+    "mlp.gate_proj.weight": "w_gate", "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down",
+}
+GGUF_SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
+                  "Q4_K", "Q5_K", "Q6_K")
+
+
+@dataclass
+class LoadedModel:
+    cfg: ModelConfig
+    weights: dict[str, torch.Tensor]
+    source: str  # path
+    file_bytes: int
+    gguf_reader: object = None  # kept for tokenizer metadata (GGUF only)
+
+
+def _map_name(name: str, top: dict, per_layer: dict, layer_re: str) -> str | None:
+    if name in top:
+        return top[name]
+    m = re.fullmatch(layer_re, name)
+    if m and m.group(2) in per_layer:
+        return f"layers.{m.group(1)}.{per_layer[m.group(2)]}"
+    return None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # undo llama.cpp's row permutation of q/k (interleaved-pair RoPE -> half split)
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _progress(total: int, desc: str):
+    return tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None)
+
+
+# ---------------------------------------------------------------------------- GGUF
+def open_gguf(path: str):
+    import gguf
+    if not os.path.isfile(path):
+        raise KvferryError(f"model file not found: {path}")
+    try:
+        return gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader raises many types on a bad file
+        raise KvferryError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
+
+
+def gguf_field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def gguf_config(reader, path: str) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    arch_spec(arch or "?")
+
+    def get(key, default=None):
+        v = gguf_field(reader, f"{arch}.{key}", default)
+        if v is None:
+            raise KvferryError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
+        return v
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    kv_heads = gguf_field(reader, f"{arch}.attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        kv_heads = kv_heads[0]
+    head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads))
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens") or [])
+    scaling = None
+    stype = gguf_field(reader, f"{arch}.rope.scaling.type")
+    if stype and stype not in ("none",) and "rope_freqs.weight" not in names:
+        scaling = {"rope_type": stype, "factor": float(gguf_field(reader, f"{arch}.rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": int(gguf_field(
+                       reader, f"{arch}.rope.scaling.original_context_length", 4096))}
+    return ModelConfig(
+        arch=arch, vocab_size=int(vocab), hidden_size=hidden, num_layers=int(get("block_count")),
+        num_heads=heads, num_kv_heads=int(kv_heads), head_dim=head_dim,
+        intermediate_size=int(get("feed_forward_length")),
+        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=scaling, max_position=int(get("context_length", 4096)),
+        tie_embeddings="output.weight" not in names,
+        name=str(gguf_field(reader, "general.name", os.path.basename(path))),
+    )
+
+
+def _gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+    import gguf
+    for t in reader.tensors:
+        name = _map_name(t.name, GGUF_NAMES, GGUF_LAYER_NAMES, r"blk\.(\d+)\.(.+)")
+        if name is None:
+            log.debug("skipping tensor %s", t.name)
+            continue
+        qtype = t.tensor_type.name
+        if qtype not in GGUF_SUPPORTED:
+            raise KvferryError(f"tensor {t.name} has quant type {qtype}, which kvferry does not load "
+                               f"(supported: {', '.join(GGUF_SUPPORTED)})")
+
+        def read(t=t, name=name):
+            shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
+            if t.tensor_type.name in ("F32", "F16"):
+                arr = np.array(t.data)  # a writable copy of this one tensor (the memmap is read-only)
+            else:
+                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+            if cfg.spec.gguf_permuted_qk and name.endswith((".wq", ".wk", ".bq", ".bk")):
+                heads = cfg.num_heads if name.endswith(("wq", "bq")) else cfg.num_kv_heads
+                w = _unpermute(w, heads)
+            return w
+        yield name, read
+
+
+def load_gguf(path: str, device, dtype, progress=True) -> LoadedModel:
+    reader = open_gguf(path)
+    cfg = gguf_config(reader, path)
+    try:
+        weights = _materialize(list(_gguf_tensors(reader, cfg)), cfg, device, dtype, "load " + os.path.basename(path), progress)
+    except (ValueError, IndexError) as e:  # dequantizing a truncated memmap
+        raise KvferryError(f"{path}: cannot read tensor data (truncated file?): {e}") from None
+    return LoadedModel(cfg, weights, path, os.path.getsize(path), reader)
+
+
+# ---------------------------------------------------------------------------- safetensors
+def load_hf_dir(path: str, device, dtype, progress=True) -> LoadedModel:
+    from safetensors import safe_open
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise KvferryError(f"{path} has no config.json (expected a Hugging Face model directory or a .gguf file)")
+    with open(cfg_path) as f:
+        cfg = ModelConfig.from_hf_config(json.load(f))
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+    if not files:
+        raise KvferryError(f"{path} has no *.safetensors files")
+    items, size = [], 0
+    for fn in files:
+        full = os.path.join(path, fn)
+        size += os.path.getsize(full)
+        try:
+            handle = safe_open(full, framework="pt")
+        except Exception as e:
+            raise KvferryError(f"{full} is not a readable safetensors file: {e}") from None
+        for key in handle.keys():
+            name = _map_name(key, HF_NAMES, HF_LAYER_NAMES, r"model\.layers\.(\d+)\.(.+)")
+            if name is not None:
+                items.append((name, lambda h=handle, k=key: h.get_tensor(k)))
+    weights = _materialize(items, cfg, device, dtype, "load " + os.path.basename(path.rstrip("/")), progress)
+    return LoadedModel(cfg, weights, path, size)
+
+
+def _materialize(items, cfg: ModelConfig, device, dtype, desc, progress) -> dict[str, torch.Tensor]:
+    from kvferry.transport.upload import upload
+    weights: dict[str, torch.Tensor] = {}
+    bar = _progress(len(items), desc) if progress else None
+    for name, read in items:
+        w = read()
+        keep_f32 = name == "rope_freqs"
+        weights[name] = upload(w, device, torch.float32 if keep_f32 else dtype)
+        del w
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    _check_complete(weights, cfg)
+    return weights
+
+
+def _check_complete(weights, cfg: ModelConfig):
+    need = ["embed", "norm"]
+    per = ["attn_norm", "wq", "wk", "wv", "wo", "ffn_norm", "w_gate", "w_up", "w_down"]
+    if cfg.spec.qk_norm:
+        per += ["q_norm", "k_norm"]
+    need += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in per]
+    missing = [n for n in need if n not in weights]
+    if missing:
+        raise KvferryError(f"model is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+# ---------------------------------------------------------------------------- random
+def random_weights(cfg: ModelConfig, device, dtype, seed=0, progress=True) -> LoadedModel:
+    """Random weights of a real shape, made on the device (speed runs only)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    shapes = {"embed": (cfg.vocab_size, h), "norm": (h,)}
+    if not cfg.tie_embeddings:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "attn_norm": (h,), p + "wq": (cfg.num_heads * d, h), p + "wk": (cfg.num_kv_heads * d, h),
+                       p + "wv": (cfg.num_kv_heads * d, h), p + "wo": (h, cfg.num_heads * d),
+                       p + "ffn_norm": (h,), p + "w_gate": (f, h), p + "w_up": (f, h), p + "w_down": (h, f)})
+        if cfg.spec.qkv_bias:
+            shapes.update({p + "bq": (cfg.num_heads * d,), p + "bk": (cfg.num_kv_heads * d,), p + "bv": (cfg.num_kv_heads * d,)})
+        if cfg.spec.qk_norm:
+            shapes.update({p + "q_norm": (d,), p + "k_norm": (d,)})
+    weights = {}
+    bar = _progress(len(shapes), "random weights") if progress else None
+    for name, shape in shapes.items():
+        if len(shape) == 1 and not name.split(".")[-1].startswith("b"):
+            weights[name] = torch.ones(shape, device=device, dtype=dtype)
+        else:
+            std = 0.02 if len(shape) == 2 else 0.01
+            weights[name] = (torch.randn(shape, device=device, generator=g, dtype=torch.float32) * std).to(dtype)
+        if bar:
+            bar.update()
+    if bar:
+        bar.close()
+    return LoadedModel(cfg, weights, "random", sum(w.numel() * w.element_size() for w in weights.values()))
+
+
+def load_model(path: str, device, dtype, progress=True) -> LoadedModel:
+    if os.path.isdir(path):
+        return load_hf_dir(path, device, dtype, progress)
+    if not os.path.exists(path):
+        raise KvferryError(f"model file not found: {path}")
+    if not path.endswith(".gguf"):
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise KvferryError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
+    return load_gguf(path, device, dtype, progress)

@@ -1,0 +1,1 @@
+"""Transport: the only code that owns copy streams, events and staging buffers."""

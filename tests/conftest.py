@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvferry.config import EngineConfig, KVConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def gguf_path():
+    from kvferry.engine.engine import default_model_path
+    return default_model_path()
+
+
+_engines = {}
+
+
+def make_engine(**kw):
+    """A CPU engine on the default model, cached by its config (loading takes seconds)."""
+    from kvferry.engine.engine import Engine
+    kv = kw.pop("kv", {})
+    cfg = EngineConfig(device="cpu", dtype=kw.pop("dtype", "f32"), kv=KVConfig(**kv), **kw)
+    if cfg not in _engines:
+        _engines[cfg] = Engine(cfg, progress=False)
+    return _engines[cfg]
+
+
+@pytest.fixture(scope="session")
+def engine():
+    return make_engine(ctx_size=512)
+
+
+def run_cli(*args, timeout=300, env=None):
+    e = dict(os.environ, PYTHONUNBUFFERED="1")
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT, env=e)
+
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
