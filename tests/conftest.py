@@ -41,4 +41,4 @@ def run_cli(*args, timeout=300, env=None):
                           timeout=timeout, cwd=ROOT, env=e)
 
 
-torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+torch.set_num_threads(max(1, min(4, len(os.sched_getaffinity(0)))))

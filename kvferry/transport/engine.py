@@ -1,0 +1,209 @@
+"""Copy engines: where deliveries and write-backs run, and the events that order them.
+
+The transport talks to one of three engines through the same five calls (`copy`,
+`compute_wait`, `compute_record`, `fence`, `close`):
+  CudaCopyEngine     pinned host memory: async copies issued straight onto a dedicated
+                     copy stream; ordering is stream to stream (wait_event / record).
+  ThreadCopyEngine   a worker thread runs each copy in FIFO order. On CPU it stands in
+                     for the copy engine (threading events in place of CUDA events), so
+                     the ordering logic and its races run where CI runs. On a GPU with
+                     pageable host memory it drives the staging buffer, whose chunk loop
+                     needs a host thread, still recording CUDA events on the copy stream.
+Every event is a `SlotEvent` with a generation counter: `arm()` when a record is
+promised, `mark()` when it has happened (recorded on a stream, or completed on CPU).
+A wait targets the generation armed at the time it is issued, as a CUDA stream wait
+targets the event's latest record.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from typing import Callable
+
+import torch
+
+
+class SlotEvent:
+    def __init__(self, device: torch.device, name: str = ""):
+        self.name = name
+        self.cuda = torch.cuda.Event() if device.type == "cuda" else None
+        self._cv = threading.Condition()
+        self.armed = 0
+        self.done = 0
+
+    def arm(self) -> int:
+        with self._cv:
+            self.armed += 1
+            return self.armed
+
+    def mark(self, gen: int) -> None:
+        with self._cv:
+            self.done = max(self.done, gen)
+            self._cv.notify_all()
+
+    def wait_host(self, gen: int) -> None:
+        with self._cv:
+            while self.done < gen:
+                self._cv.wait()
+
+
+class CopyEngine:
+    """Interface shared by the engines."""
+
+    def __init__(self, device: torch.device, delay_s: tuple[float, float] | None = None, seed: int = 0):
+        self.device = device
+        self.delay_s = delay_s  # test hook: random delay before each copy
+        self._rng = random.Random(seed)
+        self.copy_s = 0.0  # host-measured copy time (ThreadCopyEngine) for --kv-debug 2
+
+    def event(self, name="") -> SlotEvent:
+        return SlotEvent(self.device, name)
+
+    def copy(self, jobs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[SlotEvent],
+             signal: SlotEvent | None, keep: list[torch.Tensor] = ()) -> None:
+        raise NotImplementedError
+
+    def compute_wait(self, ev: SlotEvent) -> None:
+        raise NotImplementedError
+
+    def compute_record(self, ev: SlotEvent) -> None:
+        raise NotImplementedError
+
+    def fence(self) -> None:
+        """Host waits until every issued copy has finished (never inside the decode loop)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CudaCopyEngine(CopyEngine):
+    def __init__(self, device, delay_s=None, seed=0):
+        super().__init__(device, delay_s, seed)
+        self.stream = torch.cuda.Stream(device)
+
+    def copy(self, jobs, waits, signal, keep=()):
+        gens = [(ev, ev.armed) for ev in waits]
+        with torch.cuda.stream(self.stream):
+            for ev, g in gens:
+                ev.wait_host(g)  # recorded already when issued from this thread; cheap
+                self.stream.wait_event(ev.cuda)
+            if self.delay_s:
+                torch.cuda._sleep(int(self._rng.uniform(*self.delay_s) * 1.5e9))
+            for dst, src in jobs:
+                dst.copy_(src, non_blocking=True)
+            for t in keep:  # device tensors read on this stream: keep them from reuse
+                t.record_stream(self.stream)
+            if signal is not None:
+                g = signal.arm()
+                signal.cuda.record(self.stream)
+                signal.mark(g)
+
+    def compute_wait(self, ev):
+        ev.wait_host(ev.armed)
+        torch.cuda.current_stream(self.device).wait_event(ev.cuda)
+
+    def compute_record(self, ev):
+        g = ev.arm()
+        ev.cuda.record(torch.cuda.current_stream(self.device))
+        ev.mark(g)
+
+    def fence(self):
+        self.stream.synchronize()
+
+
+class ThreadCopyEngine(CopyEngine):
+    def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None):
+        super().__init__(device, delay_s, seed)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copy_fn = copy_fn or (lambda dst, src: dst.copy_(src))
+        self._q: queue.Queue = queue.Queue()
+        self._pending = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._run, name="kvferry-copy", daemon=True)
+        self._worker.start()
+
+    def copy(self, jobs, waits, signal, keep=()):
+        self._raise()
+        gens = [(ev, ev.armed) for ev in waits]
+        sig = (signal, signal.arm()) if signal is not None else None
+        if self.stream is not None:
+            # compute-stream work that produced the sources must be ordered before the copy
+            src_ready = torch.cuda.Event()
+            src_ready.record(torch.cuda.current_stream(self.device))
+        else:
+            src_ready = None
+        with self._cv:
+            self._pending += 1
+        self._q.put((jobs, gens, sig, src_ready, list(keep)))
+
+    def _run(self):
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            jobs, gens, sig, src_ready, keep = item
+            try:
+                t0 = time.perf_counter()
+                if self.stream is not None:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(src_ready)
+                        for ev, g in gens:
+                            ev.wait_host(g)
+                            self.stream.wait_event(ev.cuda)
+                        for dst, src in jobs:
+                            self.copy_fn(dst, src)
+                        for t in keep:
+                            t.record_stream(self.stream)
+                        if sig:
+                            sig[0].cuda.record(self.stream)
+                else:
+                    for ev, g in gens:
+                        ev.wait_host(g)
+                    if self.delay_s:
+                        time.sleep(self._rng.uniform(*self.delay_s))
+                    for dst, src in jobs:
+                        self.copy_fn(dst, src)
+                self.copy_s += time.perf_counter() - t0
+            except BaseException as e:  # surfaced on the next call from the main thread
+                self._error = e
+            finally:
+                if sig:
+                    sig[0].mark(sig[1])
+                with self._cv:
+                    self._pending -= 1
+                    self._cv.notify_all()
+
+    def _raise(self):
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise e
+
+    def compute_wait(self, ev):
+        ev.wait_host(ev.armed)
+        if ev.cuda is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev.cuda)
+        self._raise()
+
+    def compute_record(self, ev):
+        g = ev.arm()
+        if ev.cuda is not None:
+            ev.cuda.record(torch.cuda.current_stream(self.device))
+        ev.mark(g)  # on CPU compute is synchronous: done when recorded
+
+    def fence(self):
+        with self._cv:
+            while self._pending:
+                self._cv.wait()
+        if self.stream is not None:
+            self.stream.synchronize()
+        self._raise()
+
+    def close(self):
+        self.fence()
+        self._q.put(None)
+        self._worker.join(timeout=10)

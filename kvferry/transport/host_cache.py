@@ -1,0 +1,281 @@
+"""Host-resident KV cache with ordered and pipelined delivery to the device.
+
+Host layout is the device cache's: per layer K and V as uint8 (num_seqs, ctx, H, row_bytes),
+so one sequence's stable rows of one chunk are one contiguous copy.
+
+A delivery unit is (layer, chunk): for every sequence in the batch, the rows of that
+chunk that are already in host memory ("stable prefix", below the first row this pass
+writes), packed into one device slot at the sequence's batch index. This pass's new
+rows never cross the link early: they are quantized on the device, written into the
+slot there ("late"), and copied back to host memory asynchronously ("write-back").
+
+Ring: look-ahead depth N >= 1 uses N + 2 slots; N = 0 (ordered) uses one slot, copy
+then compute in series. Each slot has two events:
+  ready   recorded on the copy side when the slot's delivery is complete;
+          the compute side waits it before reading the slot.
+  release recorded on the compute side after the last read of the slot;
+          the copy side waits it before overwriting the slot.
+Unit u uses slot u % num_slots. Unit u + N is issued when unit u's turn comes, i.e.
+after the compute of unit u - 1 is enqueued (issuing earlier can stall the host).
+The slot it overwrites was last read by unit u + N - num_slots = u - 2, whose release is
+already recorded: recycling is ordered copy-stream-after-compute-stream, never by a host
+wait in the decode loop. A slot holds at most `chunk_rows` rows per sequence, so the
+ring's size does not grow with the context.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from kvferry import KvferryError
+from kvferry.config import KVConfig
+from kvferry.kv.cache import Chunk, KVCache, KVSpec
+from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+HEADROOM_BYTES = 1 << 30  # keep this much device memory free beyond the ring (activations)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    depth: int  # 0 = ordered
+    num_slots: int
+    slot_bytes: int
+    reason: str | None  # why the pipeline was declined, if it was
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+
+def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> RingPlan:
+    """Size the ring; decline (ordered, one slot) over the budget or without headroom."""
+    slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes
+    if kv.depth == 0:
+        return RingPlan(0, 1, slot, None)
+    ring = (kv.depth + 2) * slot
+    budget = kv.budget_mib * MiB
+    if budget and ring > budget:
+        reason = (f"the ring needs {ring / MiB:.1f} MiB ({kv.depth + 2} slots of {slot / MiB:.1f} MiB) "
+                  f"> budget {kv.budget_mib:g} MiB (-kvpb)")
+    elif free_bytes is not None and ring + HEADROOM_BYTES > free_bytes:
+        reason = f"the ring needs {ring / MiB:.1f} MiB but only {free_bytes / MiB:.0f} MiB of device memory is free"
+    else:
+        return RingPlan(kv.depth, kv.depth + 2, slot, None)
+    return RingPlan(0, 1, slot, reason)
+
+
+class HostKVCache(KVCache):
+    def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
+                 _delay_s=None, _unsafe_skip_ready=False, _unsafe_early_recycle=False, _seed=0):
+        super().__init__(spec, device, dtype)
+        self.kv = kv
+        self.pinned = kv.pinned and device.type == "cuda"
+        self._unsafe_skip_ready = _unsafe_skip_ready  # negative controls for the gates
+        self.engine = self._make_engine(_delay_s, _seed)
+        self._alloc_host(progress)
+        self.depth, self.decline_reason = self._plan_ring(_unsafe_early_recycle)
+        n = self.num_slots
+        self._unsafe_no_release = _unsafe_early_recycle
+        try:
+            shape = (spec.num_seqs, self.slot_rows, spec.num_kv_heads, spec.row_bytes)
+            self.slot_k = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+            self.slot_v = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+        except torch.OutOfMemoryError:
+            raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
+                               "lower --kv-chunk or -np") from None
+        self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
+        self.release = [self.engine.event(f"release{i}") for i in range(n)]
+        self._unit = 0  # global unit counter: slot = unit % num_slots
+        self.steps = 0
+        self.totals = dict(early=0, late=0, writeback=0)
+        log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, "pinned" if self.pinned else "pageable",
+                 self.describe())
+
+    # -- setup ---------------------------------------------------------------------------
+    def _make_engine(self, delay_s, seed) -> CopyEngine:
+        if self.device.type == "cuda" and self.pinned:
+            return CudaCopyEngine(self.device, delay_s, seed)
+        if self.kv.pinned:  # CPU: plain copies on the stand-in copy engine
+            return ThreadCopyEngine(self.device, delay_s, seed)
+        from kvferry.transport.staging import get_staging
+        staging = get_staging(self.device, self.kv.staging_cap_mib * MiB)
+
+        def staged(dst, src):
+            if dst.device.type == "cpu" and src.device.type != "cpu":
+                staging.copy_to_host(dst, src)
+            else:
+                staging.copy_to_device(dst, src)
+        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged)
+
+    def _alloc_host(self, progress):
+        spec = self.spec
+        shape = spec.layer_shape()
+        self.host_k, self.host_v = [], []
+        bar = tqdm(total=spec.num_layers, desc="host KV alloc", unit="layer", leave=False,
+                   disable=(not progress) or spec.total_bytes < (1 << 30) or None)
+        for _ in range(spec.num_layers):
+            for lst in (self.host_k, self.host_v):
+                t = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pinned)
+                t.zero_()
+                lst.append(t)
+            bar.update()
+        bar.close()
+
+    @property
+    def slot_rows(self) -> int:
+        return min(self.spec.chunk_rows, self.spec.ctx)
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.spec.num_seqs * self.slot_rows * self.spec.token_bytes
+
+    @property
+    def num_slots(self) -> int:
+        if self._early:
+            return max(1, self.depth)  # negative control: no margin
+        return self.depth + 2 if self.depth else 1
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def _plan_ring(self, early_recycle):
+        self._early = early_recycle
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
+        plan = ring_plan(self.spec, self.kv, free)
+        if plan.reason:
+            log.warning("pipelined KV transport declined, running ordered: %s", plan.reason)
+        return plan.depth, plan.reason
+
+    def describe(self) -> str:
+        mode = f"pipelined depth {self.depth}" if self.depth else "ordered"
+        return f"{mode}, ring {self.num_slots} x {self.slot_bytes / MiB:.2f} MiB = {self.ring_bytes / MiB:.2f} MiB"
+
+    # -- per pass ------------------------------------------------------------------------
+    def begin(self, batch):
+        super().begin(batch)
+        spec, c = self.spec, self.spec.chunk_rows
+        self._nchunks = batch.num_chunks(c)
+        self._units = spec.num_layers * self._nchunks
+        self._unit0 = self._unit  # global index of this pass's unit 0
+        self._issued = 0
+        self._new = [None] * spec.num_layers
+        # per chunk: where this pass's new rows land in the slot (batch index, row in chunk)
+        # and which of the pass's rows they are
+        self._late_idx = []
+        for i in range(self._nchunks):
+            dj, dr, src = [], [], []
+            for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
+                for p in range(max(start, i * c), min(end, (i + 1) * c)):
+                    dj.append(j), dr.append(p - i * c), src.append(batch.offsets[j] + p - start)
+            self._late_idx.append(tuple(torch.tensor(x, dtype=torch.long).to(self.device) for x in (dj, dr, src))
+                                  if src else None)
+        self._step = dict(early=0, late=0, writeback=0)
+        self._t0 = time.perf_counter()
+        self._copy0 = self.engine.copy_s
+        for _ in range(min(self.depth, self._units)):
+            self._issue_next()
+
+    def _issue_next(self):
+        u = self._issued
+        self._issued += 1
+        layer, i = divmod(u, self._nchunks)
+        slot = (self._unit0 + u) % self.num_slots
+        c = self.spec.chunk_rows
+        jobs = []
+        for j, (s, start) in enumerate(zip(self.batch.seq_ids, self.batch.starts)):
+            n = min(start, (i + 1) * c) - i * c  # stable rows of this chunk
+            if n <= 0:
+                continue
+            r0 = i * c
+            jobs.append((self.slot_k[slot][j, :n], self.host_k[layer][s, r0:r0 + n]))
+            jobs.append((self.slot_v[slot][j, :n], self.host_v[layer][s, r0:r0 + n]))
+            self._step["early"] += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
+        waits = [] if self._unsafe_no_release else [self.release[slot]]
+        self.engine.copy(jobs, waits, self.ready[slot])
+
+    def _store(self, layer, kq, vq):
+        # (N, H, row_bytes) codes on the device: kept for the slot writes, and copied back
+        self._new[layer] = (kq, vq)
+        jobs = []
+        for j, (s, start, end) in enumerate(zip(self.batch.seq_ids, self.batch.starts, self.batch.ends)):
+            o0, o1 = self.batch.offsets[j], self.batch.offsets[j + 1]
+            jobs.append((self.host_k[layer][s, start:end], kq[o0:o1]))
+            jobs.append((self.host_v[layer][s, start:end], vq[o0:o1]))
+        self._step["writeback"] += 2 * kq.numel()
+        self.engine.copy(jobs, [], None, keep=[kq, vq])
+
+    def window(self, layer):
+        c = self.spec.chunk_rows
+        for i in range(self._nchunks):
+            u = layer * self._nchunks + i
+            # unit u + depth goes out now, after unit u - 1's compute was enqueued
+            while self._issued <= min(u + self.depth, self._units - 1):
+                self._issue_next()
+            slot = (self._unit0 + u) % self.num_slots
+            if not self._unsafe_skip_ready:
+                self.engine.compute_wait(self.ready[slot])
+            sk, sv = self.slot_k[slot], self.slot_v[slot]
+            late = self._late_idx[i]
+            if late is not None:
+                dj, dr, src = late
+                kq, vq = self._new[layer]
+                sk[dj, dr] = kq[src]
+                sv[dj, dr] = vq[src]
+                self._step["late"] += 2 * int(src.numel()) * self.spec.num_kv_heads * self.spec.row_bytes
+            ks, vs = [], []
+            for j, end in enumerate(self.batch.ends):
+                n = min(c, end - i * c)
+                ks.append(sk[j, :n] if n > 0 else None)
+                vs.append(sv[j, :n] if n > 0 else None)
+            yield Chunk(i, i * c, ks, vs)
+            self.engine.compute_record(self.release[slot])
+        self._new[layer] = None
+
+    def end(self):
+        super().end()
+        self._unit += self._units
+        self.steps += 1
+        for k, v in self._step.items():
+            self.totals[k] += v
+        if self.kv.debug:
+            st = self._step
+            msg = (f"kv step {self.steps}: early {st['early'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} KiB, "
+                   f"write-back {st['writeback'] / 1024:.1f} KiB, {self.describe()}, "
+                   f"declines {1 if self.decline_reason else 0}")
+            if self.kv.debug >= 2:
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                    self.engine.fence()
+                wall = (time.perf_counter() - self._t0) * 1e3
+                msg += f"; step {wall:.2f} ms, copy {(self.engine.copy_s - self._copy0) * 1e3:.2f} ms (host-measured)"
+            log.info(msg)
+
+    # -- host writes -----------------------------------------------------------------------
+    def reset(self, seq_id):
+        # the sequence's cells are about to be rewritten: deliveries still reading them finish first
+        self.engine.fence()
+        super().reset(seq_id)
+
+    def write_host_rows(self, layer, seq_id, start, kq, vq):
+        """Write encoded rows straight into host memory (bench depth fill); waits for copies in flight."""
+        self.engine.fence()
+        n = kq.shape[0]
+        self.host_k[layer][seq_id, start:start + n].copy_(kq)
+        self.host_v[layer][seq_id, start:start + n].copy_(vq)
+
+    def close(self):
+        self.engine.close()
+
+    def stats(self):
+        return dict(mode="pipelined" if self.depth else "ordered", depth=self.depth,
+                    ring_mib=round(self.ring_bytes / MiB, 2), slots=self.num_slots,
+                    declined=self.decline_reason or "no", early_mib=round(self.totals["early"] / MiB, 2),
+                    late_kib=round(self.totals["late"] / 1024, 1), writeback_kib=round(self.totals["writeback"] / 1024, 1))

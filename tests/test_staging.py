@@ -1,0 +1,238 @@
+"""Tests for kvferry.transport.staging on CPU, where a worker thread plays the copy engine.
+
+Every check here has a negative control that turns a protection off (the cap, the per-half
+wait, the lock) and shows the same check then fails, so a green run means something.
+"""
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from kvferry.transport.staging import (
+    StagingBuffer,
+    get_staging,
+    release_staging,
+    staging_pinned_bytes,
+)
+
+CPU = torch.device("cpu")
+CAP = 64 << 10
+OFF = 4096 + 12  # unaligned byte offset of the copied range inside a larger buffer
+GUARD = 4096 + 100
+
+
+@pytest.fixture(autouse=True)
+def _fresh_registry():
+    release_staging()
+    yield
+    release_staging()
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def _framed(n: int, seed: int):
+    """A buffer of random bytes and its n-byte view at OFF; bytes around it act as guards."""
+    outer = _random_bytes(OFF + n + GUARD, seed)
+    return outer, outer[OFF:OFF + n]
+
+
+def _assert_capped(buf: StagingBuffer) -> None:
+    assert buf.pinned_bytes <= buf.cap_bytes, (buf.pinned_bytes, buf.cap_bytes)
+    assert buf.peak_bytes <= buf.cap_bytes, (buf.peak_bytes, buf.cap_bytes)
+
+
+def _round_trip(buf: StagingBuffer, n: int, seed: int, check_cap: bool = True) -> bool:
+    """Host -> "device" -> host through ``buf``; returns whether every byte arrived intact.
+
+    Guard bytes and the source are checked with asserts: no variant may write outside the range.
+    """
+    src_outer, src = _framed(n, seed)
+    dev_outer, dev = _framed(n, seed + 1)
+    back_outer, back = _framed(n, seed + 2)
+    src_before, dev_before, back_before = src_outer.clone(), dev_outer.clone(), back_outer.clone()
+
+    buf.copy_to_device(dev, src)
+    if check_cap:
+        _assert_capped(buf)
+    ok_dev = torch.equal(dev, src)
+    assert torch.equal(src_outer, src_before), "the source was modified"
+    assert torch.equal(dev_outer[:OFF], dev_before[:OFF])
+    assert torch.equal(dev_outer[OFF + n:], dev_before[OFF + n:])
+
+    buf.copy_to_host(back, dev)
+    if check_cap:
+        _assert_capped(buf)
+    ok_back = torch.equal(back, dev)
+    assert torch.equal(back_outer[:OFF], back_before[:OFF])
+    assert torch.equal(back_outer[OFF + n:], back_before[OFF + n:])
+    return ok_dev and ok_back and torch.equal(back, src)
+
+
+@pytest.mark.parametrize("n", [CAP, CAP + 1, 2 * CAP + 12_345])
+def test_round_trip_small_cap(n):
+    buf = StagingBuffer(CPU, CAP)
+    assert _round_trip(buf, n, seed=n)
+    assert buf.pinned_bytes == CAP  # copies >= cap use exactly the cap
+
+
+def test_cap_that_is_not_a_power_of_two():
+    buf = StagingBuffer(CPU, 100_000)
+    assert _round_trip(buf, 250_001, seed=11)
+    assert buf.pinned_bytes == 100_000
+
+
+def test_round_trip_real_cap_larger_than_cap():
+    cap = 64 << 20
+    buf = StagingBuffer(CPU, cap)
+    assert _round_trip(buf, 2 * cap + 12_345, seed=7)
+    assert buf.peak_bytes == cap
+
+
+def test_round_trip_with_delays_and_mixed_dtypes():
+    buf = StagingBuffer(CPU, 4096, _test_delay_s=0.001)
+    src = torch.randn(3 * 1024 + 5, dtype=torch.float32)  # 12,308 bytes, several chunks
+    raw = torch.zeros(16 + src.nbytes, dtype=torch.uint8)
+    dev = raw[12:12 + src.nbytes].view(torch.int32)  # unaligned start, other dtype
+    buf.copy_to_device(dev, src)
+    assert torch.equal(dev.view(torch.float32), src)
+    back = torch.empty_like(src)
+    buf.copy_to_host(back, dev)
+    assert torch.equal(back, src)
+    assert torch.equal(raw[:12], torch.zeros(12, dtype=torch.uint8))
+
+
+def test_small_copy_does_not_allocate_the_cap():
+    buf = StagingBuffer(CPU, CAP)
+    assert buf.pinned_bytes == 0  # lazy
+    assert _round_trip(buf, 100, seed=1)
+    assert buf.pinned_bytes == 2 * 4096 < CAP
+    assert _round_trip(buf, 10_000, seed=2)
+    assert buf.pinned_bytes == 2 * 16_384
+    assert _round_trip(buf, 100, seed=3)
+    assert buf.pinned_bytes == 2 * 16_384  # kept for reuse, not shrunk
+    assert buf.peak_bytes == 2 * 16_384
+
+
+def test_uncapped_variant_is_caught():
+    # Red/green: the cap check used above must fail for a buffer that grows to the copy size.
+    buf = StagingBuffer(CPU, CAP, _test_uncapped=True)
+    with pytest.raises(AssertionError):
+        _round_trip(buf, 2 * CAP + 12_345, seed=5)
+    assert buf.pinned_bytes > CAP
+    assert _round_trip(buf, 2 * CAP + 12_345, seed=6, check_cap=False)  # data is still right
+
+
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_half_wait_is_what_keeps_data_intact(direction):
+    n = 8 * 4096 + 77  # 9 chunks through 4 KiB halves
+
+    def trip(skip: bool, seed: int) -> bool:
+        buf = StagingBuffer(CPU, 8192, _test_delay_s=0.002, _test_skip_half_wait=skip)
+        src = _random_bytes(n, seed)
+        dst = torch.zeros(n, dtype=torch.uint8)
+        (buf.copy_to_device if direction == "to_device" else buf.copy_to_host)(dst, src)
+        return torch.equal(dst, src)
+
+    # Negative control: without the wait a half is reused while the worker still needs it.
+    assert any(not trip(True, seed) for seed in range(5)), "skipping the wait went unnoticed"
+    assert all(trip(False, seed) for seed in range(3))
+
+
+def _concurrent_round_trips(buf: StagingBuffer, trips: int = 4) -> list:
+    results, barrier = [], threading.Barrier(2)
+
+    def worker(tid: int) -> None:
+        barrier.wait()
+        for i in range(trips):
+            try:
+                results.append(_round_trip(buf, 3 * CAP + 1000 * tid + i, seed=100 * tid + i))
+            except AssertionError:
+                results.append(False)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+def test_two_threads_share_one_buffer():
+    buf = get_staging(CPU, CAP)
+    assert get_staging("cpu") is buf
+    buf._set_test_delay(0.001)
+    results = _concurrent_round_trips(buf)
+    assert results == [True] * 8
+    _assert_capped(buf)
+    assert staging_pinned_bytes() == buf.pinned_bytes == CAP
+
+
+def test_without_the_lock_threads_corrupt_each_other():
+    # Negative control for the test above: the lock is what keeps concurrent copies apart.
+    for _ in range(3):
+        buf = StagingBuffer(CPU, CAP, _test_delay_s=0.001)
+        buf._lock = contextlib.nullcontext()
+        if not all(_concurrent_round_trips(buf, trips=2)):
+            return
+    pytest.fail("two unlocked threads never corrupted each other")
+
+
+def test_validation():
+    for cap in (0, -2, 4097, 1.5, True):
+        with pytest.raises(ValueError):
+            StagingBuffer(CPU, cap)
+    buf = StagingBuffer(CPU, 4096)
+    with pytest.raises(ValueError, match="size mismatch"):
+        buf.copy_to_device(torch.zeros(10, dtype=torch.uint8), torch.zeros(11, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="contiguous"):
+        buf.copy_to_host(torch.zeros(4, 4).t(), torch.zeros(4, 4))
+    buf.copy_to_device(torch.zeros(0), torch.zeros(0))  # empty copies are no-ops
+    assert buf.pinned_bytes == 0
+    get_staging(CPU, CAP)
+    with pytest.raises(ValueError, match="already exists"):
+        get_staging(CPU, 2 * CAP)
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("cap", [CAP, 64 << 20])
+@pytest.mark.parametrize("n_of_cap", [lambda cap: cap - 100, lambda cap: 2 * cap + 12_345])
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_cuda_round_trip_is_ordered_with_the_callers_stream(cap, n_of_cap, side_stream):
+    # Slow kernels on both streams turn a missing stream-to-stream wait into wrong data. A copy
+    # of two chunks or fewer returns with all of it in flight; longer ones have host waits inside
+    # that can hide a missing wait, so it takes the whole matrix to catch each one.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = StagingBuffer(dev, cap)
+    n = n_of_cap(cap)
+    stream = torch.cuda.Stream(dev) if side_stream else torch.cuda.current_stream(dev)
+    with torch.cuda.stream(stream):
+        src_outer, src = _framed(n, seed=21)
+        expected = src.to(dev)
+        dev_outer = _framed(n, seed=22)[0].to(dev)
+        guards = dev_outer.clone()
+        d = dev_outer[OFF:OFF + n]
+        torch.cuda._sleep(50_000_000)
+        d.zero_()  # queued behind a slow kernel: the copy must wait for it on the device
+        with torch.cuda.stream(buf._stream):
+            torch.cuda._sleep(50_000_000)  # keeps the copy in flight after copy_to_device returns
+        buf.copy_to_device(d, src)
+        assert torch.equal(d, expected)  # no host sync in between
+        assert torch.equal(dev_outer[:OFF], guards[:OFF])
+        assert torch.equal(dev_outer[OFF + n:], guards[OFF + n:])
+        torch.cuda._sleep(50_000_000)
+        d.add_(1)  # queued work that copy_to_host must wait for before reading
+        back_outer, back = _framed(n, seed=23)
+        back_before = back_outer.clone()
+        buf.copy_to_host(back, d)
+        assert torch.equal(back, src + 1)
+        assert torch.equal(back_outer[:OFF], back_before[:OFF])
+        assert torch.equal(back_outer[OFF + n:], back_before[OFF + n:])
+    _assert_capped(buf)

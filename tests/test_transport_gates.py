@@ -1,0 +1,192 @@
+"""Exactness gates: where the KV cache lives and how it travels must not change output bytes.
+
+Device-resident, host ordered (-kvpd 0) and host pipelined (-kvpd 1, 4) must give the same
+token ids and bitwise-equal last-step logits, for one sequence and for 8 concurrent
+sequences with different prompts (each carrying a unique nonce). The same under random
+delays on the copy path. Negative controls (skip the `ready` wait, recycle a slot early)
+show that the gate catches a broken ordering.
+"""
+
+import logging
+import uuid
+
+import pytest
+import torch
+
+from conftest import make_engine
+from kvferry.config import KVConfig, SamplingConfig
+from kvferry.kv.cache import KVSpec
+from kvferry.transport.host_cache import HostKVCache, ring_plan
+
+CHUNK = 24  # small chunks: a 100-token context spans several chunks and slots
+PLACEMENTS = {
+    "device": {},
+    "host-ordered": dict(offload=True, depth=0),
+    "host-kvpd1": dict(offload=True, depth=1),
+    "host-kvpd4": dict(offload=True, depth=4),
+}
+TOPICS = ["lighthouses", "bread", "volcanoes", "chess", "rivers", "bees", "comets", "violins"]
+
+
+def _prompts(eng, n):
+    out = []
+    for t in TOPICS[:n]:
+        nonce = uuid.uuid4().hex[:8]
+        out.append(eng.tokenizer.encode(f"[task {nonce}] Write two sentences about {t}:"))
+    return out
+
+
+def _run(eng, prompts, n_predict):
+    """Greedy ids per sequence and each sequence's last logits."""
+    ids = [[] for _ in prompts]
+    last = {}
+
+    def grab(j, logits):
+        last[j] = logits.clone()
+    for step in eng.generate_batch(prompts, n_predict, SamplingConfig(temperature=0), stop_at_eog=False, on_logits=grab):
+        for j, t in enumerate(step):
+            if t is not None:
+                ids[j].append(t)
+    return ids, [last[j] for j in range(len(prompts))]
+
+
+def _engine(kv, np_=1, kv_type="auto"):
+    return make_engine(ctx_size=160, num_seqs=np_, kv=dict(kv, chunk_rows=CHUNK, kv_type=kv_type))
+
+
+def _assert_same(results):
+    ref_ids, ref_logits = results["device"]
+    for name, (ids, logits) in results.items():
+        assert ids == ref_ids, f"{name}: token ids differ from device-resident"
+        for j, (a, b) in enumerate(zip(logits, ref_logits)):
+            assert torch.equal(a, b), f"{name}: last logits of sequence {j} differ bitwise"
+
+
+@pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
+def test_one_sequence_byte_identical_across_placements(kv_type):
+    prompts = None
+    results = {}
+    for name, kv in PLACEMENTS.items():
+        eng = _engine(kv, kv_type=kv_type)
+        prompts = prompts or _prompts(eng, 1)
+        results[name] = _run(eng, prompts, 48)
+    _assert_same(results)
+
+
+def test_eight_sequences_byte_identical_across_placements():
+    prompts = None
+    results = {}
+    for name, kv in PLACEMENTS.items():
+        eng = _engine(kv, np_=8)
+        prompts = prompts or _prompts(eng, 8)
+        results[name] = _run(eng, prompts, 40)
+    _assert_same(results)
+    assert len({tuple(x) for x in results["device"][0]}) == 8, "different prompts must give different outputs"
+
+
+def _with_cache(eng, **kw):
+    """Swap the engine's cache for a host cache with test hooks (delays, broken orderings)."""
+    old = eng.cache
+    kv = eng.cfg.kv
+    eng.cache = HostKVCache(eng.kv_spec, kv, eng.device, eng.dtype, progress=False, **kw)
+    return old
+
+
+def _restore(eng, old):
+    eng.cache.close()
+    eng.cache = old
+
+
+def test_random_copy_delays_change_nothing_over_1000_decode_steps():
+    ref_eng = _engine({}, np_=8)
+    prompts = _prompts(ref_eng, 8)
+    ref = _run(ref_eng, prompts, 64)
+    steps = 0
+    for depth in (0, 1, 4):
+        eng = _engine(dict(offload=True, depth=depth), np_=8)
+        for seed in range(2):
+            old = _with_cache(eng, _delay_s=(0.0, 3e-4), _seed=seed)
+            try:
+                got = _run(eng, prompts, 64)
+            finally:
+                _restore(eng, old)
+            _assert_same({"device": ref, f"kvpd{depth}-delayed": got})
+            steps += 8 * 63  # decode steps (one token of one sequence each)
+    assert steps >= 1000
+
+
+@pytest.mark.parametrize("broken", [dict(_unsafe_skip_ready=True), dict(_unsafe_early_recycle=True)])
+def test_gate_catches_a_broken_ordering(broken):
+    ref_eng = _engine({}, np_=8)
+    prompts = _prompts(ref_eng, 8)
+    ref = _run(ref_eng, prompts, 24)
+    eng = _engine(dict(offload=True, depth=2), np_=8)
+    caught = False
+    for seed in range(4):
+        old = _with_cache(eng, _delay_s=(1e-4, 1e-3), _seed=seed, **broken)
+        try:
+            got = _run(eng, prompts, 24)
+        finally:
+            _restore(eng, old)
+        try:
+            _assert_same({"device": ref, "broken": got})
+        except AssertionError:
+            caught = True
+            break
+    assert caught, f"the gate did not catch {broken}"
+
+
+def test_budget_too_small_falls_back_to_ordered_with_identical_output(caplog):
+    ref_eng = _engine({})
+    prompts = _prompts(ref_eng, 1)
+    ref = _run(ref_eng, prompts, 24)
+    with caplog.at_level(logging.WARNING):
+        eng = _engine(dict(offload=True, depth=1, budget_mib=0.01))
+    assert eng.cache.depth == 0 and "budget" in eng.cache.decline_reason
+    assert sum("declined" in r.message for r in caplog.records) == 1, "the reason is logged once"
+    _assert_same({"device": ref, "fallback": _run(eng, prompts, 24)})
+
+
+def test_pageable_host_cache_matches_pinned_and_device():
+    prompts = None
+    results = {}
+    for name, kv in {"device": {}, "pinned": dict(offload=True, depth=1),
+                     "pageable": dict(offload=True, depth=1, pinned=False)}.items():
+        eng = _engine(kv)
+        prompts = prompts or _prompts(eng, 1)
+        results[name] = _run(eng, prompts, 32)
+    _assert_same(results)
+
+
+def test_ring_is_bounded_at_128k_on_llama3_8b_shape():
+    kv = KVConfig(offload=True, depth=1)
+    sizes = []
+    for ctx in (4096, 32768, 131072):
+        spec = KVSpec(num_layers=32, num_seqs=1, ctx=ctx, num_kv_heads=8, head_dim=128, kv_type="bf16",
+                      chunk_rows=kv.chunk_rows)
+        plan = ring_plan(spec, kv)
+        assert plan.depth == 1 and plan.reason is None
+        assert plan.ring_bytes <= kv.budget_mib * 2**20
+        sizes.append(plan.ring_bytes)
+    assert sizes[1] == sizes[2], "the ring must not grow with the context"
+
+
+def test_host_write_waits_for_deliveries_in_flight():
+    eng = _engine(dict(offload=True, depth=1))
+    prompts = _prompts(eng, 1)
+    old = _with_cache(eng, _delay_s=(0.02, 0.03))
+    try:
+        cache = eng.cache
+        eng.prefill(0, prompts[0])
+        before = cache.host_k[0][0, :8].clone()
+        # queue a delivery that reads rows 0..7 of layer 0, then overwrite those rows
+        cache.begin(__import__("kvferry.kv.cache", fromlist=["Batch"]).Batch([0], [len(prompts[0])], [1]))
+        slot = (cache._unit0) % cache.num_slots
+        zeros = torch.zeros_like(cache.host_k[0][0, :8])
+        cache.write_host_rows(0, 0, 0, zeros, zeros)  # must wait for the delivery first
+        assert torch.equal(cache.slot_k[slot][0, :8], before), "the delivery saw the later write"
+        assert torch.equal(cache.host_k[0][0, :8], zeros)
+        cache.engine.fence()
+        cache.batch = None
+    finally:
+        _restore(eng, old)
