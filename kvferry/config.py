@@ -3,6 +3,7 @@ __post_init__ validates, raising KvferryError with a message that says what to c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from kvferry import KvferryError
@@ -20,6 +21,9 @@ class KVConfig:
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
 
     def __post_init__(self):
+        from kvferry.kv.quant import KV_TYPES
+        if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
+            raise KvferryError(f"unknown KV type '{self.kv_type}' (choose one of: auto, {', '.join(KV_TYPES)})")
         if self.depth < 0:
             raise KvferryError(f"-kvpd must be >= 0 (0 = ordered), got {self.depth}")
         if self.budget_mib < 0:
@@ -41,6 +45,11 @@ class SamplingConfig:
     seed: int = -1  # -1: a random seed
 
     def __post_init__(self):
+        for name, v in (("--temp", self.temperature), ("--top-p", self.top_p), ("--min-p", self.min_p)):
+            if not math.isfinite(v):
+                raise KvferryError(f"{name} must be a finite number, got {v}")
+        if not -1 <= self.seed < 2**63:
+            raise KvferryError(f"-s/--seed must be -1 (random) or in [0, 2^63), got {self.seed}")
         if self.temperature < 0:
             raise KvferryError(f"--temp must be >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:

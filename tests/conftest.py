@@ -2,8 +2,11 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
+# idle OpenMP threads spin by default, which starves a second process on a 2-core machine
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from kvferry.config import EngineConfig, KVConfig
 

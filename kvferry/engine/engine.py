@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import importlib.util
 import logging
@@ -18,7 +19,7 @@ from tqdm import tqdm
 from kvferry import KvferryError
 from kvferry.config import EngineConfig, SamplingConfig
 from kvferry.engine.sampling import Sampler
-from kvferry.kv.cache import Batch, DeviceKVCache, KVCache, KVSpec
+from kvferry.kv.cache import Batch, DeviceKVCache, KVCache, KVSpec, index_tensor
 from kvferry.model.arch import preset_config
 from kvferry.model.loader import LoadedModel, load_model, random_weights
 from kvferry.model.transformer import Transformer
@@ -74,6 +75,9 @@ class Engine:
         self.progress = progress
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        if self.device.type == "cuda":  # weight uploads and pageable KV copies share it
+            from kvferry.transport.staging import get_staging
+            get_staging(self.device, cfg.kv.staging_cap_mib << 20)
         if preset:
             self.loaded: LoadedModel = random_weights(preset_config(preset, layers), self.device, self.dtype, progress=progress)
             self.tokenizer = None
@@ -110,7 +114,7 @@ class Engine:
         logits = None
         for o in range(0, len(ids), ub):
             part = ids[o:o + ub]
-            tokens = torch.tensor(part, dtype=torch.long).to(self.device)
+            tokens = index_tensor(part, self.device)
             logits = self.model.forward(tokens, Batch([seq_id], [start + o], [len(part)]), self.cache)
             bar.update(len(part))
         bar.close()
@@ -119,7 +123,7 @@ class Engine:
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence -> logits (B, vocab)."""
-        t = torch.tensor(tokens, dtype=torch.long).to(self.device)
+        t = index_tensor(tokens, self.device)
         return self.model.forward(t, Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
 
     def _check_fit(self, n):
@@ -152,7 +156,9 @@ class Engine:
         for ids in prompts:
             self._check_fit(len(ids))
         eog = self.tokenizer.eog_ids if (self.tokenizer and stop_at_eog) else set()
-        samplers = [Sampler(sampling) for _ in prompts]
+        # one stream per sequence: seed + j, so a batch does not repeat one random stream
+        samplers = [Sampler(sampling if sampling.seed < 0 else
+                            dataclasses.replace(sampling, seed=(sampling.seed + j) % 2**63)) for j in range(len(prompts))]
         last, pos, live = [], [], []
         for j, (s, ids) in enumerate(zip(seq_ids, prompts)):
             self.cache.reset(s)

@@ -22,6 +22,15 @@ from kvferry import KvferryError
 from kvferry.kv import quant
 
 
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor on `device` without a host sync: a plain .to("cuda") from
+    pageable memory synchronizes the stream, which would stall the pipelined transport."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
 @dataclass(frozen=True)
 class KVSpec:
     num_layers: int
@@ -109,9 +118,8 @@ class KVCache:
                 raise KvferryError(f"sequence {s} has {self.seq_lens[s]} rows; cannot start at {start}")
         self.batch = batch
         # (N,) cell indices of the new rows, made once per pass
-        self._row_seq = torch.tensor([s for s, c in zip(batch.seq_ids, batch.counts) for _ in range(c)],
-                                     dtype=torch.long).to(self.device)
-        self._row_pos = torch.tensor(batch.positions(), dtype=torch.long).to(self.device)
+        self._row_seq = index_tensor([s for s, c in zip(batch.seq_ids, batch.counts) for _ in range(c)], self.device)
+        self._row_pos = index_tensor(batch.positions(), self.device)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (N, H, D) in the compute dtype -> codes (N, H, row_bytes)

@@ -83,9 +83,20 @@ def open_gguf(path: str):
     if not os.path.isfile(path):
         raise KvferryError(f"model file not found: {path}")
     try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise KvferryError(f"cannot open {path}: {e.strerror or e}") from None
+    try:
         return gguf.GGUFReader(path, "r")
     except Exception as e:  # the reader raises many types on a bad file
-        raise KvferryError(f"{path} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from None
+        raise KvferryError(f"{path} is not a readable GGUF file (truncated or corrupt?): "
+                           f"{type(e).__name__}: {_one_line(e)}") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def gguf_field(reader, key: str, default=None):
@@ -97,7 +108,12 @@ def gguf_field(reader, key: str, default=None):
 
 def gguf_config(reader, path: str) -> ModelConfig:
     arch = gguf_field(reader, "general.architecture")
-    arch_spec(arch or "?")
+    if not arch:
+        raise KvferryError(f"{path}: GGUF metadata lacks 'general.architecture'")
+    try:
+        arch_spec(arch)
+    except KvferryError as e:
+        raise KvferryError(f"{path}: {e}") from None
 
     def get(key, default=None):
         v = gguf_field(reader, f"{arch}.{key}", default)
@@ -113,6 +129,11 @@ def gguf_config(reader, path: str) -> ModelConfig:
     head_dim = int(gguf_field(reader, f"{arch}.attention.key_length", hidden // heads))
     names = {t.name for t in reader.tensors}
     vocab = gguf_field(reader, f"{arch}.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens") or [])
+    if not vocab:
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise KvferryError(f"{path}: the file has neither a vocabulary nor a token_embd.weight tensor")
+        vocab = int(embd.shape.tolist()[-1])  # GGUF lists dims innermost first
     scaling = None
     stype = gguf_field(reader, f"{arch}.rope.scaling.type")
     if stype and stype not in ("none",) and "rope_freqs.weight" not in names:
@@ -131,7 +152,7 @@ def gguf_config(reader, path: str) -> ModelConfig:
     )
 
 
-def _gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
+def _gguf_tensors(reader, cfg: ModelConfig, path: str = "model") -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
     import gguf
     for t in reader.tensors:
         name = _map_name(t.name, GGUF_NAMES, GGUF_LAYER_NAMES, r"blk\.(\d+)\.(.+)")
@@ -140,16 +161,22 @@ def _gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, Callable[[], 
             continue
         qtype = t.tensor_type.name
         if qtype not in GGUF_SUPPORTED:
-            raise KvferryError(f"tensor {t.name} has quant type {qtype}, which kvferry does not load "
+            raise KvferryError(f"{path}: tensor {t.name} has quant type {qtype}, which kvferry does not load "
                                f"(supported: {', '.join(GGUF_SUPPORTED)})")
 
         def read(t=t, name=name):
             shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims innermost first
-            if t.tensor_type.name in ("F32", "F16"):
-                arr = np.array(t.data)  # a writable copy of this one tensor (the memmap is read-only)
-            else:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
-            w = torch.from_numpy(np.ascontiguousarray(arr).reshape(shape))
+            try:
+                if t.tensor_type.name in ("F32", "F16"):
+                    arr = np.array(t.data)  # a writable copy of this one tensor (the memmap is read-only)
+                else:
+                    arr = gguf.quants.dequantize(t.data, t.tensor_type)
+                arr = np.ascontiguousarray(arr).reshape(shape)
+            except (ValueError, IndexError, TypeError, OSError, AssertionError) as e:
+                # a short memmap (file cut off) or bytes that do not decode
+                raise KvferryError(f"{path}: cannot read tensor {t.name} ({t.tensor_type.name}, shape {list(shape)}); "
+                                   f"the file is truncated or corrupt: {type(e).__name__}: {_one_line(e)}") from None
+            w = torch.from_numpy(arr)
             if cfg.spec.gguf_permuted_qk and name.endswith((".wq", ".wk", ".bq", ".bk")):
                 heads = cfg.num_heads if name.endswith(("wq", "bq")) else cfg.num_kv_heads
                 w = _unpermute(w, heads)
@@ -160,10 +187,9 @@ def _gguf_tensors(reader, cfg: ModelConfig) -> Iterator[tuple[str, Callable[[], 
 def load_gguf(path: str, device, dtype, progress=True) -> LoadedModel:
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
-    try:
-        weights = _materialize(list(_gguf_tensors(reader, cfg)), cfg, device, dtype, "load " + os.path.basename(path), progress)
-    except (ValueError, IndexError) as e:  # dequantizing a truncated memmap
-        raise KvferryError(f"{path}: cannot read tensor data (truncated file?): {e}") from None
+    # listing the tensors first rejects an unsupported type before any weight is read
+    weights = _materialize(list(_gguf_tensors(reader, cfg, path)), cfg, device, dtype,
+                           "load " + os.path.basename(path), progress)
     return LoadedModel(cfg, weights, path, os.path.getsize(path), reader)
 
 

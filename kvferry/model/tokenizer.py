@@ -19,7 +19,8 @@ _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?
            r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
           r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-PRE_PATTERNS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "qwen2": _QWEN2, "deepseek-llm": _QWEN2}
+PRE_PATTERNS = {"llama-bpe": _LLAMA3, "llama3": _LLAMA3, "llama-v3": _LLAMA3, "smaug-bpe": _LLAMA3,
+                "qwen2": _QWEN2, "deepseek-r1-qwen": _QWEN2, "deepseek-llm": _QWEN2}
 # token texts that end a turn in common chat formats (llama.cpp treats them as EOG too)
 END_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<end_of_turn>", "<|eom_id|>", "</s>")
 
@@ -72,7 +73,11 @@ def render_chat(template: str, messages, add_generation_prompt, **special) -> st
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent, ensure_ascii=ensure_ascii)
+
+    def tojson(x, indent=None, ensure_ascii=False, separators=None, sort_keys=False):
+        return json.dumps(x, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
@@ -121,13 +126,24 @@ def from_gguf(reader) -> Tokenizer:
         scores = gguf_field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         tok = HFTok(models.BPE(vocab, _spm_merges(tokens, scores, vocab), unk_token=tokens[unk] if unk is not None else None,
                                fuse_unk=True, byte_fallback=True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+        # SentencePiece's dummy prefix: "▁" before each stretch of text (llama.cpp adds it
+        # at the start and again after every special token, as the normalizer does here,
+        # since it runs on each piece between added tokens). Models may switch it off.
+        space_prefix = bool(gguf_field(reader, "tokenizer.ggml.add_space_prefix", True))
+        norm = [normalizers.Replace(" ", "▁")]
+        dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+        if space_prefix:
+            norm.insert(0, normalizers.Prepend("▁"))
+            dec.append(decoders.Strip(" ", 1, 0))
+        tok.normalizer = normalizers.Sequence(norm)
+        tok.decoder = decoders.Sequence(dec)
         add_bos_default = True
     else:
         raise KvferryError(f"unsupported GGUF tokenizer model '{kind}' (supported: gpt2, llama)")
-    # control (3) and user-defined (4) tokens are matched whole in the text
-    specials = [AddedToken(tokens[i], special=(t == 3), normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+    # unknown (2), control (3) and user-defined (4) tokens are matched whole in the text, as
+    # llama.cpp does; the first two are special (dropped when decoding with skip_special)
+    specials = [AddedToken(tokens[i], special=(t in (2, 3)), normalized=False)
+                for i, t in enumerate(types) if t in (2, 3, 4)]
     tok.add_tokens(specials)
     add_bos = bool(gguf_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default))
     eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvferry.kv.cache import Batch, KVCache
+from kvferry.kv.cache import Batch, KVCache, index_tensor
 from kvferry.model.arch import ModelConfig
 from kvferry.model.rope import Rope, apply_rope
 
@@ -38,7 +38,7 @@ class Transformer:
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """tokens (N,) on device -> logits (B, vocab) float32 at each sequence's last new token."""
         cfg, w = self.cfg, self.w
-        positions = torch.tensor(batch.positions(), dtype=torch.long).to(self.device)
+        positions = index_tensor(batch.positions(), self.device)
         cos, sin = self.rope.tables(positions, max(batch.ends) - 1, self.dtype)
         x = F.embedding(tokens, w["embed"])  # (N, hidden)
         cache.begin(batch)
@@ -51,7 +51,7 @@ class Transformer:
                 x = x + self._mlp(p, h)
         finally:
             cache.end()
-        last = torch.tensor([o - 1 for o in batch.offsets[1:]], dtype=torch.long).to(self.device)
+        last = index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
         x = rms_norm(x[last], w["norm"], cfg.rms_eps)
         return F.linear(x, self.lm_head).float()
 

@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import Chunk, KVCache, KVSpec
+from kvferry.kv.cache import Chunk, KVCache, KVSpec, index_tensor
 from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 
 log = logging.getLogger(__name__)
@@ -175,8 +175,7 @@ class HostKVCache(KVCache):
             for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
                 for p in range(max(start, i * c), min(end, (i + 1) * c)):
                     dj.append(j), dr.append(p - i * c), src.append(batch.offsets[j] + p - start)
-            self._late_idx.append(tuple(torch.tensor(x, dtype=torch.long).to(self.device) for x in (dj, dr, src))
-                                  if src else None)
+            self._late_idx.append(tuple(index_tensor(x, self.device) for x in (dj, dr, src)) if src else None)
         self._step = dict(early=0, late=0, writeback=0)
         self._t0 = time.perf_counter()
         self._copy0 = self.engine.copy_s

@@ -284,16 +284,17 @@ _REGISTRY_LOCK = threading.Lock()
 
 
 def get_staging(device, cap_bytes: int | None = None) -> StagingBuffer:
-    """The one staging buffer of ``device``; ``cap_bytes`` applies when it is first created."""
+    """The one staging buffer of ``device``. ``cap_bytes`` None keeps the existing buffer (or
+    makes one with the default cap); another cap replaces it, after its copies finish."""
     device = _normalize(device)
     with _REGISTRY_LOCK:
         buf = _REGISTRY.get(device)
+        if buf is not None and cap_bytes is not None and cap_bytes != buf.cap_bytes:
+            buf.close()
+            buf = None
         if buf is None:
             buf = StagingBuffer(device, DEFAULT_CAP_BYTES if cap_bytes is None else cap_bytes)
             _REGISTRY[device] = buf
-        elif cap_bytes is not None and cap_bytes != buf.cap_bytes:
-            raise ValueError(f"staging buffer for {device} already exists with cap "
-                             f"{buf.cap_bytes} bytes; cannot re-create it with {cap_bytes}")
         return buf
 
 
