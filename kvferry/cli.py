@@ -69,7 +69,8 @@ def engine_config(a, **over):
         budget = float(vals["kvpb"])
     except ValueError:
         raise KvferryError(f"-kvpb expects MiB as a number, got '{vals['kvpb']}'") from None
-    kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=a.kv_pinned, depth=_int(vals["kvpd"], "-kvpd"),
+    pinned = vals.get("pinned", a.kv_pinned)
+    kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
                   staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
@@ -164,13 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     add_model_args(r)
     r.set_defaults(func=cmd_run)
-    import importlib.util
-    if importlib.util.find_spec("kvferry.bench.runner"):
-        from kvferry.bench.runner import add_parser as add_bench
-        add_bench(sub)
-    if importlib.util.find_spec("kvferry.server.app"):
-        from kvferry.server.cli import add_serve_parser
-        add_serve_parser(sub)
+    from kvferry.bench.runner import add_parser as add_bench
+    add_bench(sub)
     return p
 
 

@@ -70,7 +70,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, *, preset: str | None = None, layers: int | None = None,
-                 progress: bool = True, tp=None):
+                 random_model=None, progress: bool = True, with_cache: bool = True):
         self.cfg = cfg
         self.progress = progress
         self.device = resolve_device(cfg.device)
@@ -78,8 +78,9 @@ class Engine:
         if self.device.type == "cuda":  # weight uploads and pageable KV copies share it
             from kvferry.transport.staging import get_staging
             get_staging(self.device, cfg.kv.staging_cap_mib << 20)
-        if preset:
-            self.loaded: LoadedModel = random_weights(preset_config(preset, layers), self.device, self.dtype, progress=progress)
+        if preset or random_model:
+            mcfg = random_model or preset_config(preset, layers)
+            self.loaded: LoadedModel = random_weights(mcfg, self.device, self.dtype, progress=progress)
             self.tokenizer = None
         else:
             path = cfg.model or default_model_path()
@@ -88,17 +89,23 @@ class Engine:
             self.tokenizer = _load_tokenizer(self.loaded)
         mc = self.loaded.cfg
         self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype)
-        kv_type = cfg.kv.kv_type if cfg.kv.kv_type != "auto" else DTYPE_NAMES[self.dtype]
-        self.kv_spec = KVSpec(num_layers=mc.num_layers, num_seqs=cfg.num_seqs, ctx=cfg.ctx_size,
-                              num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
-                              chunk_rows=cfg.kv.chunk_rows)
-        self.cache: KVCache = make_cache(self.kv_spec, cfg, self.device, self.dtype, progress)
+        self.kv_spec = self.spec_for(cfg)
+        kv_type = self.kv_spec.kv_type
+        self.cache: KVCache | None = make_cache(self.kv_spec, cfg, self.device, self.dtype, progress) if with_cache else None
         log.info("model %s: %d layers, %.1fM params, %s on %s; KV %s %.1f MiB %s", mc.name, mc.num_layers,
                  mc.num_params / 1e6, DTYPE_NAMES[self.dtype], self.device, kv_type,
                  self.kv_spec.total_bytes / 2**20, "in host memory" if cfg.kv.offload else "on the device")
 
+    def spec_for(self, cfg: EngineConfig) -> KVSpec:
+        mc = self.loaded.cfg
+        kv_type = cfg.kv.kv_type if cfg.kv.kv_type != "auto" else DTYPE_NAMES[self.dtype]
+        return KVSpec(num_layers=mc.num_layers, num_seqs=cfg.num_seqs, ctx=cfg.ctx_size,
+                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
+                      chunk_rows=cfg.kv.chunk_rows)
+
     def close(self):
-        self.cache.close()
+        if self.cache is not None:
+            self.cache.close()
 
     # -- steps ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -80,18 +80,9 @@ class HostKVCache(KVCache):
         self._unsafe_skip_ready = _unsafe_skip_ready  # negative controls for the gates
         self.engine = self._make_engine(_delay_s, _seed)
         self._alloc_host(progress)
-        self.depth, self.decline_reason = self._plan_ring(_unsafe_early_recycle)
-        n = self.num_slots
+        self._early = _unsafe_early_recycle
         self._unsafe_no_release = _unsafe_early_recycle
-        try:
-            shape = (spec.num_seqs, self.slot_rows, spec.num_kv_heads, spec.row_bytes)
-            self.slot_k = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
-            self.slot_v = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
-        except torch.OutOfMemoryError:
-            raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
-                               "lower --kv-chunk or -np") from None
-        self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
-        self.release = [self.engine.event(f"release{i}") for i in range(n)]
+        self._build_ring()
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self.steps = 0
         self.totals = dict(early=0, late=0, writeback=0)
@@ -99,6 +90,30 @@ class HostKVCache(KVCache):
                  self.describe())
 
     # -- setup ---------------------------------------------------------------------------
+    def _build_ring(self):
+        self.slot_k = self.slot_v = None
+        self.depth, self.decline_reason = self._plan_ring()
+        n, device = self.num_slots, self.device
+        try:
+            shape = (self.spec.num_seqs, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
+            self.slot_k = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+            self.slot_v = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+        except torch.OutOfMemoryError:
+            raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
+                               "lower --kv-chunk or -np") from None
+        self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
+        self.release = [self.engine.event(f"release{i}") for i in range(n)]
+
+    def set_transport(self, kv: KVConfig) -> None:
+        """Switch delivery mode/depth/budget, keeping the host cache (pinning it again is slow)."""
+        self.engine.fence()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.kv = kv
+        self._build_ring()
+        self._unit = 0
+        log.info("host KV transport: %s", self.describe())
+
     def _make_engine(self, delay_s, seed) -> CopyEngine:
         if self.device.type == "cuda" and self.pinned:
             return CudaCopyEngine(self.device, delay_s, seed)
@@ -146,8 +161,9 @@ class HostKVCache(KVCache):
     def ring_bytes(self) -> int:
         return self.num_slots * self.slot_bytes
 
-    def _plan_ring(self, early_recycle):
-        self._early = early_recycle
+    def _plan_ring(self):
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # slots of an earlier ring are free again
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         plan = ring_plan(self.spec, self.kv, free)
         if plan.reason:
