@@ -46,6 +46,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--n1", type=int, default=96, help="tokens for the one-sequence gate")
     ap.add_argument("--n8", type=int, default=64, help="tokens per sequence for the 8-sequence gates")
+    ap.add_argument("--random-weights", default=None, help="a preset (e.g. llama3-8b) instead of a model file")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=0, help="with --random-weights: random prompt length")
+    ap.add_argument("--neg-delay-ms", type=float, default=1.0, help="upper copy delay for the negative controls")
     a = ap.parse_args()
     report = {"device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu", "checks": []}
 
@@ -58,23 +63,30 @@ def main():
     def engine(np_, **kv):
         key = (np_, tuple(sorted(kv.items())))
         if key not in engines:
-            cfg = EngineConfig(model=a.model, device=a.device, ctx_size=512, num_seqs=np_,
+            cfg = EngineConfig(model=a.model, device=a.device, ctx_size=a.ctx, num_seqs=np_,
                                kv=KVConfig(chunk_rows=a.chunk, **kv))
-            engines[key] = Engine(cfg, progress=False)
+            engines[key] = Engine(cfg, preset=a.random_weights, layers=a.layers, progress=False)
         return engines[key]
 
     placements = {"device": {}, "host-ordered": dict(offload=True, depth=0), "host-kvpd1": dict(offload=True, depth=1),
                   "host-kvpd4": dict(offload=True, depth=4), "host-pageable-kvpd1": dict(offload=True, depth=1, pinned=False)}
     for np_, n in ((1, a.n1), (8, a.n8)):
         base = engine(np_)
-        prompts = [base.tokenizer.encode(f"[task {uuid.uuid4().hex[:8]}] Write two sentences about {t}:") for t in TOPICS[:np_]]
+        if base.tokenizer is None:  # random weights: random prompts, a different one per sequence
+            gen = torch.Generator().manual_seed(np_)
+            prompts = [torch.randint(0, base.loaded.cfg.vocab_size, (a.prompt_len + 17 * j,), generator=gen).tolist()
+                       for j in range(np_)]
+        else:
+            prompts = [base.tokenizer.encode(f"[task {uuid.uuid4().hex[:8]}] Write two sentences about {t}:")
+                       for t in TOPICS[:np_]]
         ref = run(base, prompts, n)
         for name, kv in placements.items():
             got = run(engine(np_, **kv), prompts, n)
             check(f"np={np_} {name} == device-resident (ids + last logits bitwise)", same(got, ref),
                   mode=engine(np_, **kv).cache.stats().get("mode", "device"))
         if np_ == 8:
-            check("8 different prompts give 8 different outputs", len({tuple(x) for x in ref[0]}) == 8)
+            check("8 different prompts give 8 different outputs", len({tuple(x) for x in ref[0]}) == 8
+                  or base.tokenizer is None)
             steps = 0
             for depth in (1, 4):
                 eng = engine(8, offload=True, depth=depth)
@@ -94,7 +106,7 @@ def main():
                 for seed in range(3):
                     old = eng.cache
                     eng.cache = HostKVCache(eng.kv_spec, eng.cfg.kv, eng.device, eng.dtype, progress=False,
-                                            _delay_s=(2e-4, 1e-3), _seed=seed, **{broken: True})
+                                            _delay_s=(2e-4, a.neg_delay_ms * 1e-3), _seed=seed, **{broken: True})
                     got = run(eng, prompts, 24)
                     eng.cache.close()
                     eng.cache = old

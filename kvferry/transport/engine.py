@@ -86,10 +86,8 @@ class CudaCopyEngine(CopyEngine):
         self.stream = torch.cuda.Stream(device)
 
     def copy(self, jobs, waits, signal, keep=()):
-        gens = [(ev, ev.armed) for ev in waits]
         with torch.cuda.stream(self.stream):
-            for ev, g in gens:
-                ev.wait_host(g)  # recorded already when issued from this thread; cheap
+            for ev in waits:  # recorded by this thread already: a stream wait is enough
                 self.stream.wait_event(ev.cuda)
             if self.delay_s:
                 torch.cuda._sleep(int(self._rng.uniform(*self.delay_s) * 1.5e9))
@@ -131,27 +129,20 @@ class ThreadCopyEngine(CopyEngine):
         self._raise()
         gens = [(ev, ev.armed) for ev in waits]
         sig = (signal, signal.arm()) if signal is not None else None
-        if self.stream is not None:
-            # compute-stream work that produced the sources must be ordered before the copy
-            src_ready = torch.cuda.Event()
-            src_ready.record(torch.cuda.current_stream(self.device))
-        else:
-            src_ready = None
         with self._cv:
             self._pending += 1
-        self._q.put((jobs, gens, sig, src_ready, list(keep)))
+        self._q.put((jobs, gens, sig, list(keep)))
 
     def _run(self):
         while True:
             item = self._q.get()
             if item is None:
                 return
-            jobs, gens, sig, src_ready, keep = item
+            jobs, gens, sig, keep = item
             try:
                 t0 = time.perf_counter()
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
-                        self.stream.wait_event(src_ready)
                         for ev, g in gens:
                             ev.wait_host(g)
                             self.stream.wait_event(ev.cuda)

@@ -103,6 +103,7 @@ class HostKVCache(KVCache):
                                "lower --kv-chunk or -np") from None
         self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
         self.release = [self.engine.event(f"release{i}") for i in range(n)]
+        self.rows_written = self.engine.event("rows_written")  # new rows quantized on the compute side
 
     def set_transport(self, kv: KVConfig) -> None:
         """Switch delivery mode/depth/budget, keeping the host cache (pinning it again is slow)."""
@@ -225,7 +226,9 @@ class HostKVCache(KVCache):
             jobs.append((self.host_k[layer][s, start:end], kq[o0:o1]))
             jobs.append((self.host_v[layer][s, start:end], vq[o0:o1]))
         self._step["writeback"] += 2 * kq.numel()
-        self.engine.copy(jobs, [], None, keep=[kq, vq])
+        # the copy side must not read the rows before the compute side has produced them
+        self.engine.compute_record(self.rows_written)
+        self.engine.copy(jobs, [self.rows_written], None, keep=[kq, vq])
 
     def window(self, layer):
         c = self.spec.chunk_rows
