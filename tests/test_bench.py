@@ -1,0 +1,92 @@
+"""kvferry bench: the bound arithmetic by hand, and the benchmark end to end on CPU."""
+
+import csv
+import io
+import json
+
+import pytest
+
+from conftest import run_cli
+from kvferry.bench import bound as B
+
+BENCH = ["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "2", "-nkvo", "0,1", "-kvpd", "0,1",
+         "--kv-chunk", "16", "-c", "64", "--device", "cpu"]
+
+
+def test_bound_arithmetic_matches_hand_computed_numbers():
+    # 32 layers x 8 kv heads x 128 dims x 2 (K, V) x 2 bytes = 131072 bytes per token of context
+    per_token = 32 * 8 * 128 * 2 * 2
+    assert per_token == 131072
+    kv = B.decode_kv_bytes(per_token, 32768, 1)
+    assert kv == 4294967296  # 32768 rows: 4 GiB per decode step
+    assert B.transfer_ms(kv, 55.0) == pytest.approx(78.090, abs=1e-3)  # 4.295e9 B / 55e9 B/s
+    assert B.bound_ms(5.5, kv, 55.0) == pytest.approx(78.090, abs=1e-3)  # link-bound
+    assert B.bound_ms(100.0, kv, 55.0) == 100.0  # compute-bound
+    assert B.bound_ms(None, 55e6, 55.0) == pytest.approx(1.0)
+    assert B.pct_of_bound(80.0, 78.09) == pytest.approx(97.6125)
+    # mean rows over 128 steps from depth 4096: 4096 + 63.5
+    assert B.decode_kv_bytes(1000, 4096, 128, num_seqs=2) == pytest.approx(2 * 1000 * 4159.5)
+    # 16 GB of weights + 4 GB of KV at 4000 GB/s: 5 ms floor; 10 ms measured is 50%
+    assert B.roofline_pct(10.0, 16e9, 4e9, 4000.0) == pytest.approx(50.0)
+    with pytest.raises(ValueError):
+        B.transfer_ms(1, 0)
+
+
+@pytest.fixture(scope="module")
+def bench_json(tmp_path_factory):
+    png = tmp_path_factory.mktemp("bench") / "tg.png"
+    r = run_cli(*BENCH, "-o", "json", "--plot", str(png), "--no-kv-pinned", "-pin", "1,0")
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout), png
+
+
+def test_bench_writes_json_rows_for_every_arm_test_and_depth(bench_json):
+    rows, _ = bench_json
+    # arms: device, host pinned kvpd 0/1, host pageable kvpd 0/1; tests pp8 and tg4; depths 0 and 40
+    assert len(rows) == 5 * 2 * 2
+    assert {(r["nkvo"], r["pin"], r["kvpd"]) for r in rows} == {
+        ("0", "-", "-"), ("1", "1", "0"), ("1", "1", "1"), ("1", "0", "0"), ("1", "0", "1")}
+    for r in rows:
+        assert r["tps"] > 0 and r["step_ms"] > 0
+        if r["test"] == "tg4":
+            assert r["same"] is True, f"arm {r} produced different tokens than the first arm"
+            assert r["bound_ms"] >= r["compute_ms"] and r["pct_bound"] > 0
+            if r["nkvo"] == "1" and r["depth"] == 40:
+                assert r["ferried_mib"] > 0 and r["copy_ms"] > 0
+
+
+def test_bench_plot_is_a_png(bench_json):
+    _, png = bench_json
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_md_and_csv_outputs():
+    md = run_cli(*BENCH[:-4], "-nkvo", "1", "-kvpd", "1", "-d", "0", "-r", "1", "-c", "64", "--device", "cpu", "-o", "md")
+    assert md.returncode == 0, md.stderr[-2000:]
+    lines = md.stdout.strip().splitlines()
+    assert lines[0].startswith("| model") and "t/s" in lines[0] and "% bound" in lines[0]
+    assert len(lines) == 2 + 2  # header, rule, pp8, tg4
+    c = run_cli(*BENCH[:-4], "-nkvo", "0", "-d", "0", "-r", "1", "-c", "64", "--device", "cpu", "-o", "csv")
+    assert c.returncode == 0, c.stderr[-2000:]
+    rows = list(csv.DictReader(io.StringIO(c.stdout)))
+    assert [r["test"] for r in rows] == ["pp8", "tg4"] and all(float(r["tps"]) > 0 for r in rows)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["-d", "abc"], "-d expects a comma list of integers"),
+    (["-nkvo", "2"], "-nkvo expects 0 or 1"),
+    (["-r", "0"], "-r must be >= 1"),
+    (["-p", "0", "-n", "0"], "nothing to run"),
+])
+def test_bench_bad_flag_is_a_one_line_error(args, needle):
+    r = run_cli("bench", "--device", "cpu", "-c", "64", *args)
+    assert r.returncode != 0
+    err = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("I ", "W "))]
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_link_probe_runs_on_cpu():
+    r = run_cli("bench", "--link", "--device", "cpu", "--link-mib", "8")
+    assert r.returncode == 0, r.stderr
+    assert "| pinned |" in r.stdout and "| staging |" in r.stdout and "device memory" in r.stdout
