@@ -29,7 +29,6 @@ from kvferry.bench.link import link_table, probe_device_memory, probe_link
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
-SWEPT = ("nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk")
 
 
 def add_parser(sub):

@@ -57,7 +57,8 @@ class CopyEngine:
         self.device = device
         self.delay_s = delay_s  # test hook: random delay before each copy
         self._rng = random.Random(seed)
-        self.copy_s = 0.0  # host-measured copy time (ThreadCopyEngine) for --kv-debug 2
+        self.copy_s = 0.0  # copy time (--kv-debug 2): host-measured on the worker, events on CUDA
+        self.timing = False
 
     def event(self, name="") -> SlotEvent:
         return SlotEvent(self.device, name)
@@ -76,6 +77,10 @@ class CopyEngine:
         """Host waits until every issued copy has finished (never inside the decode loop)."""
         raise NotImplementedError
 
+    def copy_seconds(self) -> float:
+        """Total time spent copying so far (fences first on CUDA; debug use only)."""
+        return self.copy_s
+
     def close(self) -> None:
         pass
 
@@ -84,6 +89,7 @@ class CudaCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0):
         super().__init__(device, delay_s, seed)
         self.stream = torch.cuda.Stream(device)
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def copy(self, jobs, waits, signal, keep=()):
         with torch.cuda.stream(self.stream):
@@ -91,8 +97,14 @@ class CudaCopyEngine(CopyEngine):
                 self.stream.wait_event(ev.cuda)
             if self.delay_s:
                 torch.cuda._sleep(int(self._rng.uniform(*self.delay_s) * 1.5e9))
+            if self.timing:
+                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0.record(self.stream)
             for dst, src in jobs:
                 dst.copy_(src, non_blocking=True)
+            if self.timing:
+                t1.record(self.stream)
+                self._timed.append((t0, t1))
             for t in keep:  # device tensors read on this stream: keep them from reuse
                 t.record_stream(self.stream)
             if signal is not None:
@@ -111,6 +123,12 @@ class CudaCopyEngine(CopyEngine):
 
     def fence(self):
         self.stream.synchronize()
+
+    def copy_seconds(self):
+        self.fence()
+        self.copy_s += sum(a.elapsed_time(b) for a, b in self._timed) / 1e3
+        self._timed.clear()
+        return self.copy_s
 
 
 class ThreadCopyEngine(CopyEngine):
