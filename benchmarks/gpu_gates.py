@@ -12,7 +12,6 @@ under random delays on the copy stream over >= 1000 decode steps; negative contr
 import argparse
 import json
 import sys
-import time
 import uuid
 
 import torch

@@ -11,7 +11,6 @@ an exactness check on whatever machine it runs.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import json
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from kvferry import KvferryError
 from kvferry.bench import bound as B
 from kvferry.bench.link import link_table, probe_device_memory, probe_link
+from kvferry.bench.report import format_rows, plot_rows
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -243,7 +243,7 @@ class Bench:
         return rows, dict(link=link, mem_gbps=mem_gbps)
 
     def _rows(self, kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps):
-        eng, a = self.eng, self.a
+        eng = self.eng
         mc = eng.loaded.cfg
         np_ = eng.cfg.num_seqs
         tokens = n * np_
@@ -286,78 +286,6 @@ def _pinned_bytes(cache) -> int:
     from kvferry.transport.staging import staging_pinned_bytes
     held = cache.spec.total_bytes if getattr(cache, "pinned", False) else 0
     return held + staging_pinned_bytes()
-
-
-COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk", "np", "test", "depth",
-           "tps", "tps_std", "step_ms", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
-           "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same"]
-
-
-def format_rows(rows: list[dict], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(rows, indent=2)
-    if fmt == "jsonl":
-        return "\n".join(json.dumps(r) for r in rows)
-    if fmt == "csv":
-        import csv
-        import io
-        buf = io.StringIO()
-        w = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-        return buf.getvalue().rstrip("\n")
-    head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "np", "test", "t/s", "step ms",
-            "ferried MiB", "link GB/s", "copy ms", "compute ms", "bound ms", "% bound", "% roofline", "ring MiB",
-            "peak dev MiB", "pinned MiB", "same"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if h not in ("model", "backend", "test") else "---" for h in head) + "|"]
-    for r in rows:
-        def f(k):
-            v = r.get(k)
-            return "" if v is None or v == "" else str(v)
-        lines.append("| " + " | ".join([
-            f("model"), f"{r['size_gib']} GiB", f"{r['params_b']} B", f("backend"), f("nkvo"), f("pin"), f("kvpd"), f("kvpb"),
-            f("ctk"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
-            f("ferried_mib"), f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
-            f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]) + " |")
-    return "\n".join(lines)
-
-
-def plot_rows(rows: list[dict], path: str, title: str = "") -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    tg = [r for r in rows if r["test"].startswith("tg")]
-    if not tg:
-        raise KvferryError("--plot needs a tg test (-n > 0)")
-    fig, ax = plt.subplots(figsize=(8, 5))
-    arms = {}
-    for r in tg:
-        label = "device-resident" if r["nkvo"] == "0" else (f"host, kvpd {r['kvpd']}" if r["kvpd"] != "0" else "host, ordered")
-        if r["pin"] == "0":
-            label += ", pageable"
-        if len({x["ctk"] for x in tg}) > 1:
-            label += f", {r['ctk']}"
-        arms.setdefault(label, []).append(r)
-    for label, rs in arms.items():
-        rs.sort(key=lambda r: r["depth"])
-        ax.errorbar([r["depth"] for r in rs], [r["tps"] for r in rs], yerr=[r["tps_std"] for r in rs],
-                    marker="o", capsize=3, label=label)
-    host = sorted((r for r in tg if r["nkvo"] == "1"), key=lambda r: r["depth"])
-    if host:
-        by_depth = {}
-        for r in host:
-            by_depth.setdefault(r["depth"], r)
-        d = sorted(by_depth)
-        np_ = host[0]["np"]
-        ax.plot(d, [1000.0 * np_ / by_depth[x]["bound_ms"] for x in d], "k--", label="bound: max(device step, bytes / link)")
-    ax.set_xlabel("depth (tokens already in the KV cache)")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(title or f"{tg[0]['model']} on {tg[0]['backend']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def cmd_bench(a) -> int:
