@@ -71,7 +71,13 @@ def main():
     ap.add_argument("-r", type=int, default=2)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--replot", default=None, help="only redraw the plot from an earlier peers.json")
     a = ap.parse_args()
+    if a.replot:
+        os.makedirs(a.out, exist_ok=True)
+        with open(a.replot) as f:
+            plot(json.load(f), os.path.join(a.out, "peers.png"), a.preset)
+        return
     depths = [int(x) for x in a.depths.split(",")]
     layers = ["--layers", str(a.layers)] if a.layers else []
     # kvferry first (its own process: it measures the link and the device-resident step too)
@@ -110,6 +116,30 @@ def main():
     with open(os.path.join(a.out, "peers.json"), "w") as f:
         json.dump(results, f, indent=2)
     print("\n".join(lines))
+    plot(results, os.path.join(a.out, "peers.png"), a.preset)
+
+
+def plot(results, path, preset):
+    """t/s against depth for each cache, with the link bound."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d = [r["depth"] for r in results]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key, label in (("kvferry_kvpd1_tps", "kvferry -nkvo -kvpd 1"), ("hf_static_offloaded_tps", "HF StaticCache offloaded"),
+                       ("hf_dynamic_offloaded_tps", "HF DynamicCache offloaded"), ("kvferry_device_tps", "kvferry device-resident")):
+        ys = [r[key] if isinstance(r[key], (int, float)) else float("nan") for r in results]
+        ax.plot(d, ys, marker="o", label=label)
+    ax.plot(d, [r["bound_tps"] for r in results], "k--", label="bound: max(device step, bytes / link)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("depth (tokens in the KV cache)")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"{preset}, random bf16 weights, batch 1")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
