@@ -99,17 +99,19 @@ def main():
                     check(f"kvpd {depth} with random copy delays (seed {seed})", same(got, ref))
                     steps += 8 * (n - 1)
             check(">= 1000 delayed decode steps in all", steps >= 1000, steps=steps)
-            for broken in ("_unsafe_skip_ready", "_unsafe_early_recycle"):
+            neg = a.neg_delay_ms * 1e-3
+            for broken, delay, steps_n in (("_unsafe_skip_ready", (2e-4, neg), 24), ("_unsafe_early_recycle", (2e-4, neg), 24),
+                                           ("_unsafe_skip_writeback_wait", {1: (10 * neg, 20 * neg)}, 6)):
                 eng = engine(8, offload=True, depth=2)
                 caught = False
                 for seed in range(3):
                     old = eng.cache
                     eng.cache = HostKVCache(eng.kv_spec, eng.cfg.kv, eng.device, eng.dtype, progress=False,
-                                            _delay_s=(2e-4, a.neg_delay_ms * 1e-3), _seed=seed, **{broken: True})
-                    got = run(eng, prompts, 24)
+                                            _delay_s=delay, _seed=seed, **{broken: True})
+                    got = run(eng, prompts, steps_n)
                     eng.cache.close()
                     eng.cache = old
-                    if not same(got, run(engine(8), prompts, 24)):
+                    if not same(got, run(engine(8), prompts, steps_n)):
                         caught = True
                         break
                 check(f"negative control {broken} is caught by the gate", caught)

@@ -20,15 +20,18 @@ def gguf_path():
 
 
 _engines = {}
+_weights = {}
 
 
 def make_engine(**kw):
-    """A CPU engine on the default model, cached by its config (loading takes seconds)."""
+    """A CPU engine on the default model, cached by its config; engines of one dtype share
+    one copy of the weights (loading takes seconds, and CI has 24 GiB)."""
     from kvferry.engine.engine import Engine
     kv = kw.pop("kv", {})
     cfg = EngineConfig(device="cpu", dtype=kw.pop("dtype", "f32"), kv=KVConfig(**kv), **kw)
     if cfg not in _engines:
-        _engines[cfg] = Engine(cfg, progress=False)
+        _engines[cfg] = Engine(cfg, progress=False, share_weights=_weights.get(cfg.dtype))
+        _weights.setdefault(cfg.dtype, _engines[cfg])
     return _engines[cfg]
 
 

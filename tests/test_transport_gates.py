@@ -115,17 +115,23 @@ def test_random_copy_delays_change_nothing_over_1000_decode_steps():
     assert steps >= 1000
 
 
-@pytest.mark.parametrize("broken", [dict(_unsafe_skip_ready=True), dict(_unsafe_early_recycle=True)])
-def test_gate_catches_a_broken_ordering(broken):
+@pytest.mark.parametrize("broken,delay,n", [
+    (dict(_unsafe_skip_ready=True), (1e-4, 1e-3), 24),
+    (dict(_unsafe_early_recycle=True), (1e-4, 1e-3), 24),
+    # write-backs slowed down: a pass that does not wait for the previous pass's
+    # write-backs reads rows that are not in host memory yet
+    (dict(_unsafe_skip_writeback_wait=True), {1: (0.01, 0.02)}, 6),
+])
+def test_gate_catches_a_broken_ordering(broken, delay, n):
     ref_eng = _engine({}, np_=8)
     prompts = _prompts(ref_eng, 8)
-    ref = _run(ref_eng, prompts, 24)
+    ref = _run(ref_eng, prompts, n)
     eng = _engine(dict(offload=True, depth=2), np_=8)
     caught = False
     for seed in range(4):
-        old = _with_cache(eng, _delay_s=(1e-4, 1e-3), _seed=seed, **broken)
+        old = _with_cache(eng, _delay_s=delay, _seed=seed, **broken)
         try:
-            got = _run(eng, prompts, 24)
+            got = _run(eng, prompts, n)
         finally:
             _restore(eng, old)
         try:
@@ -134,6 +140,20 @@ def test_gate_catches_a_broken_ordering(broken):
             caught = True
             break
     assert caught, f"the gate did not catch {broken}"
+
+
+def test_slow_write_backs_change_nothing():
+    """The same slow write-back lane as the negative control, with the wait in place."""
+    ref_eng = _engine({}, np_=8)
+    prompts = _prompts(ref_eng, 8)
+    ref = _run(ref_eng, prompts, 6)
+    eng = _engine(dict(offload=True, depth=2), np_=8)
+    old = _with_cache(eng, _delay_s={1: (0.01, 0.02)})
+    try:
+        got = _run(eng, prompts, 6)
+    finally:
+        _restore(eng, old)
+    _assert_same({"device": ref, "slow-write-backs": got})
 
 
 def test_budget_too_small_falls_back_to_ordered_with_identical_output(caplog):

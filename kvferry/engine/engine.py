@@ -70,7 +70,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class Engine:
     def __init__(self, cfg: EngineConfig, *, preset: str | None = None, layers: int | None = None,
-                 random_model=None, progress: bool = True, with_cache: bool = True):
+                 random_model=None, progress: bool = True, with_cache: bool = True,
+                 share_weights: "Engine | None" = None):
         self.cfg = cfg
         self.progress = progress
         self.device = resolve_device(cfg.device)
@@ -78,7 +79,11 @@ class Engine:
         if self.device.type == "cuda":  # weight uploads and pageable KV copies share it
             from kvferry.transport.staging import get_staging
             get_staging(self.device, cfg.kv.staging_cap_mib << 20)
-        if preset or random_model:
+        if share_weights is not None:  # another engine's weights and tokenizer, same device and dtype
+            if (share_weights.device, share_weights.dtype) != (self.device, self.dtype):
+                raise KvferryError("share_weights needs an engine on the same device and dtype")
+            self.loaded, self.tokenizer = share_weights.loaded, share_weights.tokenizer
+        elif preset or random_model:
             mcfg = random_model or preset_config(preset, layers)
             self.loaded: LoadedModel = random_weights(mcfg, self.device, self.dtype, progress=progress)
             self.tokenizer = None

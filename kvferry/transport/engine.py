@@ -1,14 +1,15 @@
 """Copy engines: where deliveries and write-backs run, and the events that order them.
 
-The transport talks to one of three engines through the same five calls (`copy`,
+The transport talks to one of two engines through the same five calls (`copy`,
 `compute_wait`, `compute_record`, `fence`, `close`):
-  CudaCopyEngine     pinned host memory: async copies issued straight onto a dedicated
-                     copy stream; ordering is stream to stream (wait_event / record).
-  ThreadCopyEngine   a worker thread runs each copy in FIFO order. On CPU it stands in
-                     for the copy engine (threading events in place of CUDA events), so
-                     the ordering logic and its races run where CI runs. On a GPU with
-                     pageable host memory it drives the staging buffer, whose chunk loop
-                     needs a host thread, still recording CUDA events on the copy stream.
+  CudaCopyEngine     pinned host memory: async copies issued straight onto two copy
+                     streams (lane 0 deliveries, lane 1 write-backs); ordering is stream
+                     to stream (wait_event / record).
+  ThreadCopyEngine   one worker thread per lane runs its copies in FIFO order. On CPU it
+                     stands in for the copy engine (threading events in place of CUDA
+                     events), so the ordering logic and its races run where CI runs. On a
+                     GPU with pageable host memory it drives the staging buffer, whose
+                     chunk loop needs a host thread, still recording CUDA events.
 Every event is a `SlotEvent` with a generation counter: `arm()` when a record is
 promised, `mark()` when it has happened (recorded on a stream, or completed on CPU).
 A wait targets the generation armed at the time it is issued, as a CUDA stream wait
@@ -55,7 +56,8 @@ class CopyEngine:
 
     def __init__(self, device: torch.device, delay_s: tuple[float, float] | None = None, seed: int = 0):
         self.device = device
-        self.delay_s = delay_s  # test hook: random delay before each copy
+        # test hook: random delay (lo, hi) seconds before each copy, or {lane: (lo, hi)}
+        self.delay_s = delay_s if isinstance(delay_s, dict) or delay_s is None else {0: delay_s, 1: delay_s}
         self._rng = random.Random(seed)
         self.copy_s = 0.0  # copy time (--kv-debug 2): host-measured on the worker, events on CUDA
         self.timing = False
@@ -64,7 +66,11 @@ class CopyEngine:
         return SlotEvent(self.device, name)
 
     def copy(self, jobs: list[tuple[torch.Tensor, torch.Tensor]], waits: list[SlotEvent],
-             signal: SlotEvent | None, keep: list[torch.Tensor] = ()) -> None:
+             signal: SlotEvent | None, keep: list[torch.Tensor] = (), lane: int = 0) -> None:
+        """Run `jobs` (dst, src) after `waits`, then record `signal`. Lane 0 carries
+        deliveries (host to device), lane 1 write-backs (device to host): each lane is in
+        order, and the two run concurrently, so a write-back that waits for the compute
+        side never holds up the deliveries queued behind it."""
         raise NotImplementedError
 
     def compute_wait(self, ev: SlotEvent) -> None:
@@ -88,28 +94,29 @@ class CopyEngine:
 class CudaCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0):
         super().__init__(device, delay_s, seed)
-        self.stream = torch.cuda.Stream(device)
+        self.streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def copy(self, jobs, waits, signal, keep=()):
-        with torch.cuda.stream(self.stream):
+    def copy(self, jobs, waits, signal, keep=(), lane=0):
+        stream = self.streams[lane]
+        with torch.cuda.stream(stream):
             for ev in waits:  # recorded by this thread already: a stream wait is enough
-                self.stream.wait_event(ev.cuda)
-            if self.delay_s:
-                torch.cuda._sleep(int(self._rng.uniform(*self.delay_s) * 1.5e9))
+                stream.wait_event(ev.cuda)
+            if self.delay_s and lane in self.delay_s:
+                torch.cuda._sleep(int(self._rng.uniform(*self.delay_s[lane]) * 1.5e9))
             if self.timing:
                 t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record(self.stream)
+                t0.record(stream)
             for dst, src in jobs:
                 dst.copy_(src, non_blocking=True)
             if self.timing:
-                t1.record(self.stream)
+                t1.record(stream)
                 self._timed.append((t0, t1))
             for t in keep:  # device tensors read on this stream: keep them from reuse
-                t.record_stream(self.stream)
+                t.record_stream(stream)
             if signal is not None:
                 g = signal.arm()
-                signal.cuda.record(self.stream)
+                signal.cuda.record(stream)
                 signal.mark(g)
 
     def compute_wait(self, ev):
@@ -122,7 +129,8 @@ class CudaCopyEngine(CopyEngine):
         ev.mark(g)
 
     def fence(self):
-        self.stream.synchronize()
+        for st in self.streams:
+            st.synchronize()
 
     def copy_seconds(self):
         self.fence()
@@ -134,47 +142,52 @@ class CudaCopyEngine(CopyEngine):
 class ThreadCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None):
         super().__init__(device, delay_s, seed)
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device) if cuda else None for _ in range(2)]
         self.copy_fn = copy_fn or (lambda dst, src: dst.copy_(src))
-        self._q: queue.Queue = queue.Queue()
+        self._queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
-        self._worker = threading.Thread(target=self._run, name="kvferry-copy", daemon=True)
-        self._worker.start()
+        self._workers = [threading.Thread(target=self._run, args=(lane,), name=f"kvferry-copy{lane}", daemon=True)
+                         for lane in range(2)]
+        for w in self._workers:
+            w.start()
 
-    def copy(self, jobs, waits, signal, keep=()):
+    def copy(self, jobs, waits, signal, keep=(), lane=0):
         self._raise()
         gens = [(ev, ev.armed) for ev in waits]
         sig = (signal, signal.arm()) if signal is not None else None
         with self._cv:
             self._pending += 1
-        self._q.put((jobs, gens, sig, list(keep)))
+        self._queues[lane].put((jobs, gens, sig, list(keep)))
 
-    def _run(self):
+    def _run(self, lane: int):
+        q, stream = self._queues[lane], self.streams[lane]
+        rng = random.Random(self._rng.random() + lane)
         while True:
-            item = self._q.get()
+            item = q.get()
             if item is None:
                 return
             jobs, gens, sig, keep = item
             try:
                 t0 = time.perf_counter()
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
+                if stream is not None:
+                    with torch.cuda.stream(stream):
                         for ev, g in gens:
-                            ev.wait_host(g)
-                            self.stream.wait_event(ev.cuda)
+                            ev.wait_host(g)  # recorded (not finished) on its stream
+                            stream.wait_event(ev.cuda)
                         for dst, src in jobs:
                             self.copy_fn(dst, src)
                         for t in keep:
-                            t.record_stream(self.stream)
+                            t.record_stream(stream)
                         if sig:
-                            sig[0].cuda.record(self.stream)
+                            sig[0].cuda.record(stream)
                 else:
                     for ev, g in gens:
                         ev.wait_host(g)
-                    if self.delay_s:
-                        time.sleep(self._rng.uniform(*self.delay_s))
+                    if self.delay_s and lane in self.delay_s:
+                        time.sleep(rng.uniform(*self.delay_s[lane]))
                     for dst, src in jobs:
                         self.copy_fn(dst, src)
                 self.copy_s += time.perf_counter() - t0
@@ -208,11 +221,14 @@ class ThreadCopyEngine(CopyEngine):
         with self._cv:
             while self._pending:
                 self._cv.wait()
-        if self.stream is not None:
-            self.stream.synchronize()
+        for st in self.streams:
+            if st is not None:
+                st.synchronize()
         self._raise()
 
     def close(self):
         self.fence()
-        self._q.put(None)
-        self._worker.join(timeout=10)
+        for q in self._queues:
+            q.put(None)
+        for w in self._workers:
+            w.join(timeout=10)

@@ -7,7 +7,11 @@ A delivery unit is (layer, chunk): for every sequence in the batch, the rows of 
 chunk that are already in host memory ("stable prefix", below the first row this pass
 writes), packed into one device slot at the sequence's batch index. This pass's new
 rows never cross the link early: they are quantized on the device, written into the
-slot there ("late"), and copied back to host memory asynchronously ("write-back").
+slot there ("late"), and copied back to host memory asynchronously ("write-back") on a
+second copy lane, after an event the compute side records once the rows exist. Write-backs
+wait for compute, so on the delivery lane they would hold up every delivery queued behind
+them; on their own lane they do not, and a pass's first delivery waits only for the
+previous pass's write-backs (whose rows it may read).
 
 Ring: look-ahead depth N >= 1 uses N + 2 slots; N = 0 (ordered) uses one slot, copy
 then compute in series. Each slot has two events:
@@ -73,11 +77,13 @@ def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> Ring
 
 class HostKVCache(KVCache):
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
-                 _delay_s=None, _unsafe_skip_ready=False, _unsafe_early_recycle=False, _seed=0):
+                 _delay_s=None, _unsafe_skip_ready=False, _unsafe_early_recycle=False,
+                 _unsafe_skip_writeback_wait=False, _seed=0):
         super().__init__(spec, device, dtype)
         self.kv = kv
         self.pinned = kv.pinned and device.type == "cuda"
         self._unsafe_skip_ready = _unsafe_skip_ready  # negative controls for the gates
+        self._unsafe_skip_wb = _unsafe_skip_writeback_wait
         self.engine = self._make_engine(_delay_s, _seed)
         self._alloc_host(progress)
         self._early = _unsafe_early_recycle
@@ -104,6 +110,9 @@ class HostKVCache(KVCache):
         self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
         self.release = [self.engine.event(f"release{i}") for i in range(n)]
         self.rows_written = self.engine.event("rows_written")  # new rows quantized on the compute side
+        # write-backs of alternate passes signal alternate events, so a pass's first delivery
+        # can wait for the previous pass's write-backs without waiting for its own
+        self.wb_done = [self.engine.event("wb_done0"), self.engine.event("wb_done1")]
 
     def set_transport(self, kv: KVConfig) -> None:
         """Switch delivery mode/depth/budget, keeping the host cache (pinning it again is slow)."""
@@ -216,6 +225,8 @@ class HostKVCache(KVCache):
             jobs.append((self.slot_v[slot][j, :n], self.host_v[layer][s, r0:r0 + n]))
             self._step["early"] += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
         waits = [] if self._unsafe_no_release else [self.release[slot]]
+        if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
+            waits.append(self.wb_done[(self.steps - 1) % 2])
         self.engine.copy(jobs, waits, self.ready[slot])
 
     def _store(self, layer, kq, vq):
@@ -229,7 +240,7 @@ class HostKVCache(KVCache):
         self._step["writeback"] += 2 * kq.numel()
         # the copy side must not read the rows before the compute side has produced them
         self.engine.compute_record(self.rows_written)
-        self.engine.copy(jobs, [self.rows_written], None, keep=[kq, vq])
+        self.engine.copy(jobs, [self.rows_written], self.wb_done[self.steps % 2], keep=[kq, vq], lane=1)
 
     def window(self, layer):
         c = self.spec.chunk_rows
