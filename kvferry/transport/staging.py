@@ -144,6 +144,9 @@ class StagingBuffer:
         self._lock = threading.Lock()
         self._buf: torch.Tensor | None = None
         self._half = self._peak = 0
+        # the half the next copy starts in: consecutive copies alternate halves, so the host
+        # memcpy of one small copy overlaps the DMA of the one before it
+        self._next = 0
         self._worker: _CopyWorker | None = None
         if self._cuda:
             self._stream = torch.cuda.Stream(device=device)
@@ -226,7 +229,7 @@ class StagingBuffer:
         with self._lock:
             self._ensure(n)
             self._begin()
-            half, buf, h = self._half, self._buf, 0
+            half, buf, h = self._half, self._buf, self._next
             for off in range(0, n, half):
                 m = min(half, n - off)
                 stage = buf[h * half:h * half + m]
@@ -234,6 +237,7 @@ class StagingBuffer:
                 stage.copy_(s[off:off + m])
                 self._engine_copy(d[off:off + m], stage, h)
                 h ^= 1
+            self._next = h
             if self._cuda:
                 dst.record_stream(self._stream)
                 torch.cuda.current_stream(self.device).wait_stream(self._stream)
