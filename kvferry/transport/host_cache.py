@@ -60,7 +60,7 @@ class RingPlan:
 
 def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> RingPlan:
     """Size the ring; decline (ordered, one slot) over the budget or without headroom."""
-    slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes
+    slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes  # K + V rows of every sequence
     if kv.depth == 0:
         return RingPlan(0, 1, slot, None)
     ring = (kv.depth + 2) * slot
@@ -86,8 +86,7 @@ class HostKVCache(KVCache):
         self._unsafe_skip_wb = _unsafe_skip_writeback_wait
         self.engine = self._make_engine(_delay_s, _seed)
         self._alloc_host(progress)
-        self._early = _unsafe_early_recycle
-        self._unsafe_no_release = _unsafe_early_recycle
+        self._unsafe_early_recycle = _unsafe_early_recycle  # no margin and no release wait
         self._build_ring()
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self.steps = 0
@@ -98,7 +97,8 @@ class HostKVCache(KVCache):
     # -- setup ---------------------------------------------------------------------------
     def _build_ring(self):
         self.slot_k = self.slot_v = None
-        self.depth, self.decline_reason = self._plan_ring()
+        self._plan = self._plan_ring()
+        self.depth, self.decline_reason = self._plan.depth, self._plan.reason
         n, device = self.num_slots, self.device
         try:
             shape = (self.spec.num_seqs, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
@@ -159,13 +159,13 @@ class HostKVCache(KVCache):
 
     @property
     def slot_bytes(self) -> int:
-        return self.spec.num_seqs * self.slot_rows * self.spec.token_bytes
+        return self._plan.slot_bytes
 
     @property
     def num_slots(self) -> int:
-        if self._early:
+        if self._unsafe_early_recycle:
             return max(1, self.depth)  # negative control: no margin
-        return self.depth + 2 if self.depth else 1
+        return self._plan.num_slots
 
     @property
     def ring_bytes(self) -> int:
@@ -178,7 +178,7 @@ class HostKVCache(KVCache):
         plan = ring_plan(self.spec, self.kv, free)
         if plan.reason:
             log.warning("pipelined KV transport declined, running ordered: %s", plan.reason)
-        return plan.depth, plan.reason
+        return plan
 
     def describe(self) -> str:
         mode = f"pipelined depth {self.depth}" if self.depth else "ordered"
@@ -224,7 +224,7 @@ class HostKVCache(KVCache):
             jobs.append((self.slot_k[slot][j, :n], self.host_k[layer][s, r0:r0 + n]))
             jobs.append((self.slot_v[slot][j, :n], self.host_v[layer][s, r0:r0 + n]))
             self._step["early"] += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
-        waits = [] if self._unsafe_no_release else [self.release[slot]]
+        waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
             waits.append(self.wb_done[(self.steps - 1) % 2])
         self.engine.copy(jobs, waits, self.ready[slot])
