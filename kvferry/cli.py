@@ -36,6 +36,8 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     g.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (default: 4096)")
     g.add_argument("-np", "--parallel", type=int, default=1, help="sequences decoded together (default: 1)")
     g.add_argument("-ub", "--ubatch", type=int, default=512, help="prompt tokens per forward pass (default: 512)")
+    g.add_argument("-fa", "--flash-attn", default="on",
+                   help="fused attention kernel per KV chunk: on or off (plain matmuls)" + (", comma list to sweep" if sweep else "") + " (default: on)")
     k = p.add_argument_group("KV cache and transport")
     t = str if sweep else None
     k.add_argument("-nkvo", "--no-kv-offload", nargs="?", const="1", default="0", type=t,
@@ -62,7 +64,7 @@ def engine_config(a, **over):
     """Map parsed flags (single values) onto EngineConfig."""
     from kvferry.config import EngineConfig, KVConfig
     vals = dict(nkvo=a.no_kv_offload, kvpd=a.kv_pipeline_depth, kvpb=a.kv_pipeline_budget,
-                ctk=a.kv_type, chunk=a.kv_chunk)
+                ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn)
     vals.update(over)
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else _onoff_or_error(vals["nkvo"])
     try:
@@ -74,14 +76,14 @@ def engine_config(a, **over):
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
                   staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
-                        num_seqs=a.parallel, ubatch=a.ubatch, kv=kv)
+                        num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=_onoff_or_error(vals["fa"], "-fa"), kv=kv)
 
 
-def _onoff_or_error(v):
+def _onoff_or_error(v, flag: str = "-nkvo") -> bool:
     try:
-        return _onoff(str(v))
+        return _onoff(str(v).strip().lower())
     except argparse.ArgumentTypeError:
-        raise KvferryError(f"-nkvo expects 0 or 1, got '{v}'") from None
+        raise KvferryError(f"{flag} expects 0/1 (or off/on), got '{v}'") from None
 
 
 def cmd_run(a) -> int:

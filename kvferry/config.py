@@ -72,6 +72,7 @@ class EngineConfig:
     ctx_size: int = 4096  # -c: positions per sequence
     num_seqs: int = 1  # -np: sequences decoded together
     ubatch: int = 512  # prompt tokens per forward pass during prefill
+    flash_attn: bool = True  # -fa: fused attention kernel per KV chunk where the device has one
     kv: KVConfig = KVConfig()
 
     def __post_init__(self):

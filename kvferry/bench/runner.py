@@ -71,6 +71,7 @@ def _arms(a) -> list[dict]:
         "kvpb": [x.strip() for x in str(a.kv_pipeline_budget).split(",")],
         "ctk": [x.strip() for x in str(a.kv_type).split(",")],
         "chunk": [x.strip() for x in str(a.kv_chunk).split(",")],
+        "fa": [x.strip() for x in str(a.flash_attn).split(",")],
     }
     arms, seen = [], set()
     for combo in itertools.product(*lists.values()):
@@ -79,6 +80,9 @@ def _arms(a) -> list[dict]:
             raise KvferryError(f"-nkvo expects 0 or 1, got '{arm['nkvo']}'")
         if arm["pin"] not in ("0", "1"):
             raise KvferryError(f"-pin expects 0 or 1, got '{arm['pin']}'")
+        arm["fa"] = {"on": "1", "off": "0"}.get(arm["fa"].lower(), arm["fa"])
+        if arm["fa"] not in ("0", "1"):
+            raise KvferryError(f"-fa expects on/off (or 1/0), got '{arm['fa']}'")
         if arm["nkvo"] == "0":  # transport flags do not apply to a device-resident cache
             arm["kvpd"], arm["kvpb"], arm["pin"] = "-", "-", "-"
         key = tuple(arm.values())
@@ -103,10 +107,10 @@ class Bench:
         self.arms = _arms(a)
         ctx = max(self.depths) + max(self.pp + self.tg) + 1
         first = self.arms[0]
-        self.base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", ctk=first["ctk"], chunk=first["chunk"])
+        self.base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"])
         self.base = dataclasses.replace(self.base, ctx_size=max(ctx, 1))
         self.cfgs = [engine_config(a, nkvo=arm["nkvo"], pinned=arm["pin"] != "0", kvpd=arm["kvpd"] if arm["kvpd"] != "-" else "0",
-                                   kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"])
+                                   kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"])
                      for arm in self.arms]
         self.cfgs = [dataclasses.replace(c, ctx_size=self.base.ctx_size) for c in self.cfgs]
         rw = a.random_weights
@@ -225,6 +229,7 @@ class Bench:
                         cache = self.cache_for(self.cfgs[i])
                         eng.cache = cache
                         eng.cfg = self.cfgs[i]
+                        eng.model.set_flash_attn(self.cfgs[i].flash_attn)
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
@@ -247,18 +252,23 @@ class Bench:
         mc = eng.loaded.cfg
         np_ = eng.cfg.num_seqs
         tokens = n * np_
-        dev_arm = next((i for i, arm in enumerate(self.arms) if arm["nkvo"] == "0"), None)
-        dev_step = statistics.mean(times[dev_arm]) / (n if kind == "tg" else 1) if dev_arm is not None else None
-        first_tokens = ref_tokens.get(0)
+        per = n if kind == "tg" else 1
         out = []
         for i, arm in enumerate(self.arms):
+            # the bound uses the device-resident arm with the same kernels and KV encoding,
+            # and tokens are compared with the first arm that computes the same way
+            peers = [k for k, o in enumerate(self.arms) if (o["fa"], o["ctk"], o["chunk"]) == (arm["fa"], arm["ctk"], arm["chunk"])]
+            dev_arm = next((k for k in peers if self.arms[k]["nkvo"] == "0"),
+                           next((k for k, o in enumerate(self.arms) if o["nkvo"] == "0"), None))
+            dev_step = statistics.mean(times[dev_arm]) / per if dev_arm is not None else None
+            first_tokens = ref_tokens.get(peers[0])
             t = times[i]
             tps = [tokens / (ms * 1e-3) for ms in t]
-            step_ms = statistics.mean(t) / (n if kind == "tg" else 1)
+            step_ms = statistics.mean(t) / per
             cache = self.cache_for(self.cfgs[i])
             spec = cache.spec
             host = self.cfgs[i].kv.offload
-            ferried = stats[i]["early"] / (n if kind == "tg" else 1) if host else 0
+            ferried = stats[i]["early"] / per if host else 0
             row = dict(model=mc.name, size_gib=round(eng.loaded.file_bytes / 2**30, 2),
                        params_b=round(mc.num_params / 1e9, 2), backend=eng.device.type.upper(),
                        **arm, np=np_, test=f"{kind}{n}", depth=depth,

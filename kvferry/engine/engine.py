@@ -93,7 +93,7 @@ class Engine:
             self.loaded = load_model(path, self.device, self.dtype, progress)
             self.tokenizer = _load_tokenizer(self.loaded)
         mc = self.loaded.cfg
-        self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype)
+        self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype, cfg.flash_attn)
         self.kv_spec = self.spec_for(cfg)
         kv_type = self.kv_spec.kv_type
         self.cache: KVCache | None = make_cache(self.kv_spec, cfg, self.device, self.dtype, progress) if with_cache else None

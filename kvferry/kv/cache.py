@@ -22,6 +22,11 @@ from kvferry import KvferryError
 from kvferry.kv import quant
 
 
+# Up to this many sequences in a pass, new rows are written with one slice copy per
+# sequence; beyond it, with one indexed write for the whole batch (fewer launches).
+SLICE_COPY_MAX_SEQS = 2
+
+
 def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     """A small int64 tensor on `device` without a host sync: a plain .to("cuda") from
     pageable memory synchronizes the stream, which would stall the pipelined transport."""
@@ -117,9 +122,14 @@ class KVCache:
             if start > self.seq_lens[s]:
                 raise KvferryError(f"sequence {s} has {self.seq_lens[s]} rows; cannot start at {start}")
         self.batch = batch
-        # (N,) cell indices of the new rows, made once per pass
-        self._row_seq = index_tensor([s for s, c in zip(batch.seq_ids, batch.counts) for _ in range(c)], self.device)
-        self._row_pos = index_tensor(batch.positions(), self.device)
+        self._cells = None  # (N,) sequence and position index tensors of the new rows, made on first use
+
+    def _new_cells(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cells is None:
+            b = self.batch
+            self._cells = (index_tensor([s for s, c in zip(b.seq_ids, b.counts) for _ in range(c)], self.device),
+                           index_tensor(b.positions(), self.device))
+        return self._cells
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         # k, v: (N, H, D) in the compute dtype -> codes (N, H, row_bytes)
@@ -178,8 +188,16 @@ class DeviceKVCache(KVCache):
                 "lower -c/-np, use a smaller --kv-type, or keep it in host memory with -nkvo") from None
 
     def _store(self, layer, kq, vq):
-        self.k[layer][self._row_seq, self._row_pos] = kq
-        self.v[layer][self._row_seq, self._row_pos] = vq
+        b = self.batch
+        if len(b.seq_ids) <= SLICE_COPY_MAX_SEQS:  # a plain slice copy per sequence: fewer launches
+            for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
+                o0, o1 = b.offsets[j], b.offsets[j + 1]
+                self.k[layer][s, start:end].copy_(kq[o0:o1])
+                self.v[layer][s, start:end].copy_(vq[o0:o1])
+            return
+        seq, pos = self._new_cells()
+        self.k[layer][seq, pos] = kq
+        self.v[layer][seq, pos] = vq
 
     def window(self, layer):
         for i in range(self.batch.num_chunks(self.spec.chunk_rows)):

@@ -72,6 +72,7 @@ class Rope:
         self.inv_freq = self.inv_freq.to(device)
         self.device = device
         self.cos = self.sin = None
+        self._cast = {}  # dtype -> (cos, sin) in that dtype
         self._grow(4096)
 
     def _grow(self, n):
@@ -79,17 +80,26 @@ class Rope:
         freqs = torch.outer(t, self.inv_freq)  # (n, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos() * self.mscale, emb.sin() * self.mscale
+        self._cast = {}
 
-    def tables(self, positions: torch.Tensor, max_pos: int, dtype):
-        """positions (N,) int64 on device, max_pos known on the host -> cos, sin (N, 1, D)."""
+    def tables(self, positions: torch.Tensor | slice, max_pos: int, dtype):
+        """positions: (N,) int64 on the device, or a slice when they are one run; max_pos
+        known on the host -> cos, signed sin (N, 1, D) in `dtype` (computed in float32, then
+        cast, as the reference implementations do; the cast tables are kept)."""
         need = max_pos + 1
         if need > self.cos.shape[0]:
             self._grow(max(need, 2 * self.cos.shape[0]))
-        return self.cos[positions, None].to(dtype), self.sin[positions, None].to(dtype)
+        if dtype not in self._cast:
+            # sin with the rotation's sign folded in (first half negated), see apply_rope
+            half = self.sin.shape[-1] // 2
+            signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+            self._cast[dtype] = (self.cos.to(dtype), signed.to(dtype))
+        cos, sin = self._cast[dtype]
+        return cos[positions, None], sin[positions, None]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (N, H, D); cos/sin: (N, 1, D)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: x * cos + cat(-x2, x1) * sin, as x * cos + roll(x) * sin_signed
+    (the sign lives in the table), three kernels instead of five.
+    x: (N, H, D); cos/sin_signed: (N, 1, D)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)

@@ -1,12 +1,13 @@
 """Model math for the llama family (llama, mistral, qwen2, qwen3) on plain PyTorch ops.
 
 The model never touches KV storage, streams or events: it hands new K/V rows to the
-cache and reads the cache back chunk by chunk (kv/cache.py). Attention is computed per
-chunk (max, sum of weights, weighted values) and the chunks are merged once per layer
-with a log-sum-exp, in the same order for every placement, so output bits do not depend
-on where the cache lives. Eager PyTorch pays per launched op, so the hot path keeps the
-op count low: fused q/k/v and gate/up projections, one RoPE call for q and k together,
-and per chunk only the ops that must see the chunk.
+cache and reads the cache back chunk by chunk (kv/cache.py). Attention is computed per chunk
+(output normalized within the chunk, and its log-sum-exp) and the chunks are merged once
+per layer by log-sum-exp, in the same order for every placement, so output bits do not
+depend on where the cache lives. Eager PyTorch pays per launched op, so the hot path
+keeps the op count low: fused q/k/v and gate/up projections, one RoPE call for q and k
+together, and per unmasked chunk one fused attention kernel (flash attention from the
+library) instead of a dozen small ops.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from kvferry.model.rope import Rope, apply_rope
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # normalize in float32, scale in the compute dtype (as the reference implementations do)
-    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+    # one fused kernel where the library has one: accumulates in float32 and rounds once
+    # (the reference rounds the normalized value, then again after the weight)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _fuse(weights: dict, cfg: ModelConfig) -> None:
@@ -36,7 +38,7 @@ def _fuse(weights: dict, cfg: ModelConfig) -> None:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, flash_attn: bool = True):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         if "layers.0.wqkv" not in weights:
             _fuse(weights, cfg)
@@ -46,11 +48,19 @@ class Transformer:
         self.num_kv_local = cfg.num_kv_heads
         self.num_q_local = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
+        self.set_flash_attn(flash_attn)
+
+    def set_flash_attn(self, on: bool) -> None:
+        """Fused attention per chunk (-fa on) or plain matmuls (-fa off). Either way every
+        KV placement computes the same ops on the same shapes, so output bits do not depend
+        on placement; the two settings differ from each other in rounding only."""
+        self.fused = fused_attention(self.device, self.dtype) if on else None
 
     def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
         """tokens (N,) on device -> logits (B, vocab) float32 at each sequence's last new token."""
         cfg, w = self.cfg, self.w
-        positions = index_tensor(batch.positions(), self.device)
+        one = len(batch.seq_ids) == 1  # one sequence: positions are one run, no index tensors
+        positions = slice(batch.starts[0], batch.ends[0]) if one else index_tensor(batch.positions(), self.device)
         cos, sin = self.rope.tables(positions, max(batch.ends) - 1, self.dtype)
         x = F.embedding(tokens, w["embed"])  # (N, hidden)
         cache.begin(batch)
@@ -63,7 +73,7 @@ class Transformer:
                 x = x + self._mlp(p, h)
         finally:
             cache.end()
-        last = index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
+        last = slice(-1, None) if one else index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
         x = rms_norm(x[last], w["norm"], cfg.rms_eps)
         return F.linear(x, self.lm_head).float()
 
@@ -84,8 +94,7 @@ class Transformer:
             q, k = qk[:, :hq], qk[:, hq:]
         cache.write(layer, k, v)
 
-        # per sequence: scaled queries as (Hkv, G*T, D), grouped under their kv head
-        q = q * self.scale
+        # per sequence: queries as (Hkv, G*T, D), grouped under their kv head
         qs = []
         for o0, o1 in zip(batch.offsets[:-1], batch.offsets[1:]):
             t = o1 - o0
@@ -105,34 +114,60 @@ class Transformer:
         return F.linear(attn, w[p + "wo"])
 
     def _chunk_attention(self, q, k, v, row0, start, count):
-        """q (Hkv, G*T, D) pre-scaled; k, v (n, Hkv, D) rows [row0, row0+n). Returns the
-        chunk's (row max, sum of weights, weighted values) in float32:
-        (Hkv, G*T, 1), (Hkv, G*T, 1), (Hkv, G*T, D)."""
+        """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's
+        attention output, normalized within the chunk, (Hkv, G*T, D), and its log-sum-exp
+        (Hkv, G*T) in float32, for the merge."""
         n = k.shape[0]
-        s = torch.matmul(q, k.permute(1, 2, 0)).float()  # (Hkv, G*T, n)
-        if row0 + n > start:  # the chunk holds rows written this pass: causal mask
-            key_pos = torch.arange(row0, row0 + n, device=q.device)
-            q_pos = start + torch.arange(count, device=q.device).repeat(q.shape[1] // count)
-            s = s.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-            m = s.amax(-1, keepdim=True)
-            # a query may see no row of a later chunk (prefill): its weights stay zero, and
-            # its max stays -inf so the merge gives the chunk zero weight
-            pw = s.sub_(torch.where(torch.isinf(m), torch.zeros_like(m), m)).exp_()
-        else:
-            m = s.amax(-1, keepdim=True)
-            pw = s.sub_(m).exp_()
-        o = torch.matmul(pw.to(v.dtype), v.permute(1, 0, 2))  # (Hkv, G*T, D)
-        return m, pw.sum(-1, keepdim=True), o
+        if row0 + n - 1 > start:  # the chunk holds rows some query must not see: causal mask
+            return self._masked_attention(q, k, v, row0, start, count)
+        if self.fused is not None:  # every query sees every row: one fused kernel
+            o, lse = self.fused(q.unsqueeze(0), k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0),
+                                self.scale)
+            return o[0], lse[0]
+        s = torch.matmul(q * self.scale, k.permute(1, 2, 0)).float()  # (Hkv, G*T, n)
+        m = s.amax(-1, keepdim=True)
+        pw = s.sub_(m).exp_()
+        l = pw.sum(-1, keepdim=True)
+        o = torch.matmul(pw.to(v.dtype), v.permute(1, 0, 2)).float() / l
+        return o, (m + l.log()).squeeze(-1)
+
+    def _masked_attention(self, q, k, v, row0, start, count):
+        n = k.shape[0]
+        s = torch.matmul(q * self.scale, k.permute(1, 2, 0)).float()  # (Hkv, G*T, n)
+        key_pos = torch.arange(row0, row0 + n, device=q.device)
+        q_pos = start + torch.arange(count, device=q.device).repeat(q.shape[1] // count)
+        s = s.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        m = s.amax(-1, keepdim=True)
+        # a query may see no row of a later chunk (prefill): its weights and output stay
+        # zero and its log-sum-exp -inf, so the merge gives the chunk zero weight
+        pw = s.sub_(torch.where(torch.isinf(m), torch.zeros_like(m), m)).exp_()
+        l = pw.sum(-1, keepdim=True)
+        o = torch.matmul(pw.to(v.dtype), v.permute(1, 0, 2)).float()
+        o = torch.where(l > 0, o / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(o))
+        return o, (m + l.log()).squeeze(-1)
+
+
+def fused_attention(device: torch.device, dtype: torch.dtype):
+    """The library's fused attention kernel for one unmasked chunk, as
+    f(q, k, v, scale) -> (out, logsumexp) with q (1, H, Lq, D), k/v (1, H, n, D), or None
+    where there is none (the caller then uses plain matmuls). On CUDA this is the
+    flash-attention kernel (split over keys for short query counts), on CPU its CPU port."""
+    if device.type == "cpu":
+        op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        return lambda q, k, v, scale: op(q, k, v, 0.0, False, scale=scale)[:2]
+    if (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and torch.cuda.get_device_capability(device) >= (8, 0)):
+        op = torch.ops.aten._scaled_dot_product_flash_attention
+        return lambda q, k, v, scale: op(q, k, v, 0.0, False, False, scale=scale)[:2]
+    return None
 
 
 def _merge(parts):
-    """Log-sum-exp merge of chunk partials, once per layer -> (Hkv, G*T, D) float32."""
+    """Log-sum-exp merge of chunk results, once per layer -> (Hkv, G*T, D)."""
     if len(parts) == 1:
-        m, l, o = parts[0]
-        return o.float() / l
-    m = torch.stack([p[0] for p in parts])  # (C, Hkv, G*T, 1)
-    l = torch.stack([p[1] for p in parts])
-    o = torch.stack([p[2] for p in parts]).float()
+        return parts[0][0]
+    lse = torch.stack([p[1] for p in parts])  # (C, Hkv, G*T)
+    o = torch.stack([p[0].float() for p in parts])  # (C, Hkv, G*T, D)
     # chunk 0 holds row 0, which every query sees, so the max is finite
-    w = torch.exp(m - m.amax(0, keepdim=True))
-    return (o * w).sum(0) / (l * w).sum(0)
+    w = torch.exp(lse - lse.amax(0, keepdim=True))
+    return (o * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import Chunk, KVCache, KVSpec, index_tensor
+from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Chunk, KVCache, KVSpec, index_tensor
 from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 
 log = logging.getLogger(__name__)
@@ -193,15 +193,22 @@ class HostKVCache(KVCache):
         self._unit0 = self._unit  # global index of this pass's unit 0
         self._issued = 0
         self._new = [None] * spec.num_layers
-        # per chunk: where this pass's new rows land in the slot (batch index, row in chunk)
-        # and which of the pass's rows they are
-        self._late_idx = []
+        # per chunk: where this pass's new rows land in the slot. Per sequence they are one
+        # contiguous range (rows [a, b) of the slot at batch index j, from rows [o, o + b - a)
+        # of the pass); for a large batch, index tensors write all of them in one go.
+        self._late = []
         for i in range(self._nchunks):
-            dj, dr, src = [], [], []
+            ranges = []
             for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
-                for p in range(max(start, i * c), min(end, (i + 1) * c)):
-                    dj.append(j), dr.append(p - i * c), src.append(batch.offsets[j] + p - start)
-            self._late_idx.append(tuple(index_tensor(x, self.device) for x in (dj, dr, src)) if src else None)
+                a, b = max(start, i * c), min(end, (i + 1) * c)
+                if a < b:
+                    ranges.append((j, a - i * c, b - i * c, batch.offsets[j] + a - start))
+            if len(ranges) > SLICE_COPY_MAX_SEQS:
+                dj = [j for j, a, b, o in ranges for _ in range(b - a)]
+                dr = [r for j, a, b, o in ranges for r in range(a, b)]
+                src = [o + r for j, a, b, o in ranges for r in range(b - a)]
+                ranges = tuple(index_tensor(x, self.device) for x in (dj, dr, src))
+            self._late.append(ranges or None)
         self._step = dict(early=0, late=0, writeback=0)
         self._t0 = time.perf_counter()
         self.engine.timing = self.kv.debug >= 2
@@ -253,13 +260,20 @@ class HostKVCache(KVCache):
             if not self._unsafe_skip_ready:
                 self.engine.compute_wait(self.ready[slot])
             sk, sv = self.slot_k[slot], self.slot_v[slot]
-            late = self._late_idx[i]
+            late = self._late[i]
             if late is not None:
-                dj, dr, src = late
                 kq, vq = self._new[layer]
-                sk[dj, dr] = kq[src]
-                sv[dj, dr] = vq[src]
-                self._step["late"] += 2 * int(src.numel()) * self.spec.num_kv_heads * self.spec.row_bytes
+                if isinstance(late, tuple):
+                    dj, dr, src = late
+                    sk[dj, dr] = kq[src]
+                    sv[dj, dr] = vq[src]
+                    rows = int(src.numel())
+                else:
+                    for j, a, b, o in late:
+                        sk[j, a:b].copy_(kq[o:o + b - a])
+                        sv[j, a:b].copy_(vq[o:o + b - a])
+                    rows = sum(b - a for j, a, b, o in late)
+                self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
             ks, vs = [], []
             for j, end in enumerate(self.batch.ends):
                 n = min(c, end - i * c)
