@@ -59,10 +59,10 @@ def main():
 
     engines = {}
 
-    def engine(np_, **kv):
-        key = (np_, tuple(sorted(kv.items())))
+    def engine(np_, graphs=True, **kv):
+        key = (np_, graphs, tuple(sorted(kv.items())))
         if key not in engines:
-            cfg = EngineConfig(model=a.model, device=a.device, ctx_size=a.ctx, num_seqs=np_,
+            cfg = EngineConfig(model=a.model, device=a.device, ctx_size=a.ctx, num_seqs=np_, cuda_graphs=graphs,
                                kv=KVConfig(chunk_rows=a.chunk, **kv))
             engines[key] = Engine(cfg, preset=a.random_weights, layers=a.layers, progress=False)
         return engines[key]
@@ -83,6 +83,11 @@ def main():
             got = run(engine(np_, **kv), prompts, n)
             check(f"np={np_} {name} == device-resident (ids + last logits bitwise)", same(got, ref),
                   mode=engine(np_, **kv).cache.stats().get("mode", "device"))
+        if a.device.startswith("cuda"):  # decode through CUDA graphs (the default) against eager decode
+            eager = run(engine(np_, graphs=False), prompts, n)
+            diff = max(float((x - y).abs().max()) for x, y in zip(eager[1], ref[1]))
+            check(f"np={np_} CUDA-graph decode == eager decode (ids + last logits bitwise)", same(eager, ref),
+                  max_logit_diff=diff)
         if np_ == 8:
             check("8 different prompts give 8 different outputs", len({tuple(x) for x in ref[0]}) == 8
                   or base.tokenizer is None)

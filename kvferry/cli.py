@@ -38,6 +38,9 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     g.add_argument("-ub", "--ubatch", type=int, default=512, help="prompt tokens per forward pass (default: 512)")
     g.add_argument("-fa", "--flash-attn", default="on",
                    help="fused attention kernel per KV chunk: on or off (plain matmuls)" + (", comma list to sweep" if sweep else "") + " (default: on)")
+    g.add_argument("-cg", "--cuda-graphs", default="on",
+                   help="decode replays CUDA graphs of each layer's fixed-shape ops (CUDA only): on or off"
+                   + (", comma list to sweep" if sweep else "") + " (default: on)")
     k = p.add_argument_group("KV cache and transport")
     t = str if sweep else None
     k.add_argument("-nkvo", "--no-kv-offload", nargs="?", const="1", default="0", type=t,
@@ -64,7 +67,7 @@ def engine_config(a, **over):
     """Map parsed flags (single values) onto EngineConfig."""
     from kvferry.config import EngineConfig, KVConfig
     vals = dict(nkvo=a.no_kv_offload, kvpd=a.kv_pipeline_depth, kvpb=a.kv_pipeline_budget,
-                ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn)
+                ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
     vals.update(over)
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else _onoff_or_error(vals["nkvo"])
     try:
@@ -76,7 +79,8 @@ def engine_config(a, **over):
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
                   staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
-                        num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=_onoff_or_error(vals["fa"], "-fa"), kv=kv)
+                        num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=_onoff_or_error(vals["fa"], "-fa"),
+                        cuda_graphs=_onoff_or_error(vals["cg"], "-cg"), kv=kv)
 
 
 def _onoff_or_error(v, flag: str = "-nkvo") -> bool:

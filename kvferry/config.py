@@ -73,6 +73,7 @@ class EngineConfig:
     num_seqs: int = 1  # -np: sequences decoded together
     ubatch: int = 512  # prompt tokens per forward pass during prefill
     flash_attn: bool = True  # -fa: fused attention kernel per KV chunk where the device has one
+    cuda_graphs: bool = True  # --cuda-graphs: decode replays CUDA graphs for the fixed-shape parts
     kv: KVConfig = KVConfig()
 
     def __post_init__(self):

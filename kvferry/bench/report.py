@@ -7,7 +7,7 @@ import json
 from kvferry import KvferryError
 
 
-COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk", "fa", "np", "test", "depth",
+COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk", "fa", "cg", "np", "test", "depth",
            "tps", "tps_std", "step_ms", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
            "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same"]
 
@@ -25,7 +25,7 @@ def format_rows(rows: list[dict], fmt: str) -> str:
         w.writeheader()
         w.writerows(rows)
         return buf.getvalue().rstrip("\n")
-    head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "fa", "np", "test", "t/s", "step ms",
+    head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "fa", "cg", "np", "test", "t/s", "step ms",
             "ferried MiB", "link GB/s", "copy ms", "compute ms", "bound ms", "% bound", "% roofline", "ring MiB",
             "peak dev MiB", "pinned MiB", "same"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if h not in ("model", "backend", "test") else "---" for h in head) + "|"]
@@ -35,7 +35,7 @@ def format_rows(rows: list[dict], fmt: str) -> str:
             return "" if v is None or v == "" else str(v)
         lines.append("| " + " | ".join([
             f("model"), f"{r['size_gib']} GiB", f"{r['params_b']} B", f("backend"), f("nkvo"), f("pin"), f("kvpd"), f("kvpb"),
-            f("ctk"), f("fa"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
+            f("ctk"), f("fa"), f("cg"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
             f("ferried_mib"), f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
             f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]) + " |")
     return "\n".join(lines)
@@ -56,8 +56,9 @@ def plot_rows(rows: list[dict], path: str, title: str = "") -> None:
             label += ", pageable"
         if len({x["ctk"] for x in tg}) > 1:
             label += f", {r['ctk']}"
-        if len({x.get("fa") for x in tg}) > 1:
-            label += ", fa " + ("on" if r["fa"] == "1" else "off")
+        for flag in ("fa", "cg"):
+            if len({x.get(flag) for x in tg}) > 1:
+                label += f", {flag} " + ("on" if r[flag] == "1" else "off")
         arms.setdefault(label, []).append(r)
     for label, rs in arms.items():
         rs.sort(key=lambda r: r["depth"])

@@ -72,6 +72,7 @@ def _arms(a) -> list[dict]:
         "ctk": [x.strip() for x in str(a.kv_type).split(",")],
         "chunk": [x.strip() for x in str(a.kv_chunk).split(",")],
         "fa": [x.strip() for x in str(a.flash_attn).split(",")],
+        "cg": [x.strip() for x in str(a.cuda_graphs).split(",")],
     }
     arms, seen = [], set()
     for combo in itertools.product(*lists.values()):
@@ -80,9 +81,10 @@ def _arms(a) -> list[dict]:
             raise KvferryError(f"-nkvo expects 0 or 1, got '{arm['nkvo']}'")
         if arm["pin"] not in ("0", "1"):
             raise KvferryError(f"-pin expects 0 or 1, got '{arm['pin']}'")
-        arm["fa"] = {"on": "1", "off": "0"}.get(arm["fa"].lower(), arm["fa"])
-        if arm["fa"] not in ("0", "1"):
-            raise KvferryError(f"-fa expects on/off (or 1/0), got '{arm['fa']}'")
+        for flag in ("fa", "cg"):
+            arm[flag] = {"on": "1", "off": "0"}.get(arm[flag].lower(), arm[flag])
+            if arm[flag] not in ("0", "1"):
+                raise KvferryError(f"-{flag} expects on/off (or 1/0), got '{arm[flag]}'")
         if arm["nkvo"] == "0":  # transport flags do not apply to a device-resident cache
             arm["kvpd"], arm["kvpb"], arm["pin"] = "-", "-", "-"
         key = tuple(arm.values())
@@ -107,10 +109,10 @@ class Bench:
         self.arms = _arms(a)
         ctx = max(self.depths) + max(self.pp + self.tg) + 1
         first = self.arms[0]
-        self.base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"])
+        self.base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"], cg=first["cg"])
         self.base = dataclasses.replace(self.base, ctx_size=max(ctx, 1))
         self.cfgs = [engine_config(a, nkvo=arm["nkvo"], pinned=arm["pin"] != "0", kvpd=arm["kvpd"] if arm["kvpd"] != "-" else "0",
-                                   kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"])
+                                   kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"], cg=arm["cg"])
                      for arm in self.arms]
         self.cfgs = [dataclasses.replace(c, ctx_size=self.base.ctx_size) for c in self.cfgs]
         rw = a.random_weights
@@ -230,6 +232,7 @@ class Bench:
                         eng.cache = cache
                         eng.cfg = self.cfgs[i]
                         eng.model.set_flash_attn(self.cfgs[i].flash_attn)
+                        eng.model.use_graphs = self.cfgs[i].cuda_graphs
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
@@ -257,7 +260,7 @@ class Bench:
         for i, arm in enumerate(self.arms):
             # the bound uses the device-resident arm with the same kernels and KV encoding,
             # and tokens are compared with the first arm that computes the same way
-            peers = [k for k, o in enumerate(self.arms) if (o["fa"], o["ctk"], o["chunk"]) == (arm["fa"], arm["ctk"], arm["chunk"])]
+            peers = [k for k, o in enumerate(self.arms) if (o["fa"], o["cg"], o["ctk"], o["chunk"]) == (arm["fa"], arm["cg"], arm["ctk"], arm["chunk"])]
             dev_arm = next((k for k in peers if self.arms[k]["nkvo"] == "0"),
                            next((k for k, o in enumerate(self.arms) if o["nkvo"] == "0"), None))
             dev_step = statistics.mean(times[dev_arm]) / per if dev_arm is not None else None

@@ -93,7 +93,7 @@ class Engine:
             self.loaded = load_model(path, self.device, self.dtype, progress)
             self.tokenizer = _load_tokenizer(self.loaded)
         mc = self.loaded.cfg
-        self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype, cfg.flash_attn)
+        self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype, cfg.flash_attn, cfg.cuda_graphs)
         self.kv_spec = self.spec_for(cfg)
         kv_type = self.kv_spec.kv_type
         self.cache: KVCache | None = make_cache(self.kv_spec, cfg, self.device, self.dtype, progress) if with_cache else None
@@ -135,8 +135,7 @@ class Engine:
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence -> logits (B, vocab)."""
-        t = index_tensor(tokens, self.device)
-        return self.model.forward(t, Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
+        return self.model.forward(list(tokens), Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
 
     def _check_fit(self, n):
         if n > self.cfg.ctx_size:

@@ -1,7 +1,7 @@
 """The narrow interface between model math and KV storage, and the device-resident store.
 
-The model calls, per forward pass: `begin(batch)`, then per layer `write(layer, k, v)`
-(append this pass's new rows) and `window(layer)` (iterate the layer's rows chunk by
+The model calls, per forward pass: `begin(batch)`, then per layer `write_codes(layer, kq, vq)`
+(append this pass's new rows, encoded by `encode_kv`) and `window(layer)` (iterate the layer's rows chunk by
 chunk), then `end()`. Every placement yields the same chunks (same rows, same shapes,
 same bytes), and the model computes attention chunk by chunk with a log-sum-exp merge,
 so where the cache lives cannot change output bits.
@@ -34,6 +34,12 @@ def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+def encode_kv(k: torch.Tensor, v: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """New K/V rows (N, H, D) in the compute dtype -> their cache codes (N, H, row_bytes),
+    on the device that computed them (the encoding itself lives in quant.py)."""
+    return quant.quantize(k, kv_type), quant.quantize(v, kv_type)
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,7 @@ class Chunk:
 
 
 class KVCache:
-    """Base: quantizes new rows (the one place) and tracks the batch. Subclasses own storage."""
+    """Base: tracks the batch and the rows per sequence. Subclasses own storage."""
 
     def __init__(self, spec: KVSpec, device: torch.device, dtype: torch.dtype):
         self.spec, self.device, self.dtype = spec, device, dtype
@@ -131,9 +137,9 @@ class KVCache:
                            index_tensor(b.positions(), self.device))
         return self._cells
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k, v: (N, H, D) in the compute dtype -> codes (N, H, row_bytes)
-        self._store(layer, quant.quantize(k, self.spec.kv_type), quant.quantize(v, self.spec.kv_type))
+    def write_codes(self, layer: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
+        """Append this pass's new rows, already encoded by `encode_kv`."""
+        self._store(layer, kq, vq)
 
     def window(self, layer: int) -> Iterator[Chunk]:
         raise NotImplementedError

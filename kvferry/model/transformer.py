@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvferry.kv.cache import Batch, KVCache, index_tensor
+from kvferry.kv.cache import Batch, KVCache, encode_kv, index_tensor
 from kvferry.model.arch import ModelConfig
 from kvferry.model.rope import Rope, apply_rope
 
@@ -38,7 +38,7 @@ def _fuse(weights: dict, cfg: ModelConfig) -> None:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, flash_attn: bool = True):
+                 dtype: torch.dtype, flash_attn: bool = True, cuda_graphs: bool = True):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         if "layers.0.wqkv" not in weights:
             _fuse(weights, cfg)
@@ -49,6 +49,8 @@ class Transformer:
         self.num_q_local = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
         self.set_flash_attn(flash_attn)
+        self.use_graphs = cuda_graphs  # decode passes replay CUDA graphs (CUDA devices only)
+        self._graphs: dict[tuple[int, str], DecodeGraphs] = {}
 
     def set_flash_attn(self, on: bool) -> None:
         """Fused attention per chunk (-fa on) or plain matmuls (-fa off). Either way every
@@ -56,34 +58,37 @@ class Transformer:
         on placement; the two settings differ from each other in rounding only."""
         self.fused = fused_attention(self.device, self.dtype) if on else None
 
-    def forward(self, tokens: torch.Tensor, batch: Batch, cache: KVCache) -> torch.Tensor:
-        """tokens (N,) on device -> logits (B, vocab) float32 at each sequence's last new token."""
+    def forward(self, tokens: torch.Tensor | list[int], batch: Batch, cache: KVCache) -> torch.Tensor:
+        """tokens (N,) ids (a device tensor or a list) -> logits (B, vocab) float32 at each
+        sequence's last new token."""
+        if self.use_graphs and self.device.type == "cuda" and all(c == 1 for c in batch.counts):
+            return self._decode_graphs(batch.num_tokens, cache).run(tokens, batch, cache)
         cfg, w = self.cfg, self.w
+        if not isinstance(tokens, torch.Tensor):
+            tokens = index_tensor(tokens, self.device)
         one = len(batch.seq_ids) == 1  # one sequence: positions are one run, no index tensors
         positions = slice(batch.starts[0], batch.ends[0]) if one else index_tensor(batch.positions(), self.device)
         cos, sin = self.rope.tables(positions, max(batch.ends) - 1, self.dtype)
-        x = F.embedding(tokens, w["embed"])  # (N, hidden)
-        cache.begin(batch)
+        cache.begin(batch)  # the first deliveries go out before any compute is enqueued
         try:
+            x = F.embedding(tokens, w["embed"])  # (N, hidden)
             for i in range(cfg.num_layers):
-                p = f"layers.{i}."
-                h = rms_norm(x, w[p + "attn_norm"], cfg.rms_eps)
-                x = x + self._attention(i, p, h, cos, sin, batch, cache)
-                h = rms_norm(x, w[p + "ffn_norm"], cfg.rms_eps)
-                x = x + self._mlp(p, h)
+                q, kq, vq = self._pre(i, x, cos, sin, cache.spec.kv_type)
+                cache.write_codes(i, kq, vq)
+                x = self._post(i, x, self._attend(i, q, batch, cache))
         finally:
             cache.end()
         last = slice(-1, None) if one else index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
-        x = rms_norm(x[last], w["norm"], cfg.rms_eps)
-        return F.linear(x, self.lm_head).float()
+        return self._head(x[last])
 
-    def _mlp(self, p: str, h: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.w[p + "w_down"])
-
-    def _attention(self, layer, p, h, cos, sin, batch: Batch, cache: KVCache) -> torch.Tensor:
+    # -- the parts of a layer that do not touch the cache (CUDA graphs capture these) -------
+    def _pre(self, layer: int, x, cos, sin, kv_type: str):
+        """attention norm, q/k/v projection, RoPE, and the new rows' KV encoding ->
+        q (N, Hq, D), K and V codes (N, Hkv, row_bytes)."""
         cfg, w, d = self.cfg, self.w, self.cfg.head_dim
-        n, hq, hkv, g = h.shape[0], self.num_q_local, self.num_kv_local, self.group
+        p = f"layers.{layer}."
+        h = rms_norm(x, w[p + "attn_norm"], cfg.rms_eps)
+        n, hq, hkv = h.shape[0], self.num_q_local, self.num_kv_local
         qkv = F.linear(h, w[p + "wqkv"], w.get(p + "bqkv")).view(n, hq + 2 * hkv, d)
         v = qkv[:, hq + hkv:]  # (N, Hkv, D)
         if cfg.spec.qk_norm:
@@ -92,8 +97,32 @@ class Transformer:
         else:
             qk = apply_rope(qkv[:, :hq + hkv], cos, sin)  # q and k in one pass
             q, k = qk[:, :hq], qk[:, hq:]
-        cache.write(layer, k, v)
+        return (q,) + encode_kv(k, v, kv_type)
 
+    def _post(self, layer: int, x, attn):
+        """output projection, residual, MLP norm, MLP, residual."""
+        p = f"layers.{layer}."
+        x = x + F.linear(attn, self.w[p + "wo"])
+        h = rms_norm(x, self.w[p + "ffn_norm"], self.cfg.rms_eps)
+        gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
+
+    def _head(self, x):
+        return F.linear(rms_norm(x, self.w["norm"], self.cfg.rms_eps), self.lm_head).float()
+
+    def _decode_graphs(self, n: int, cache: KVCache) -> "DecodeGraphs":
+        key = (n, cache.spec.kv_type)
+        g = self._graphs.get(key)
+        if g is None or g.max_pos < cache.spec.ctx - 1:
+            if g is not None:  # a longer context needs longer RoPE tables: capture again
+                self._graphs.clear()
+            g = self._graphs[key] = DecodeGraphs(self, n, cache.spec.kv_type, cache.spec.ctx - 1)
+        return g
+
+    # -- attention over the cache (eager: its shapes change every step) ----------------------
+    def _attend(self, layer: int, q, batch: Batch, cache: KVCache):
+        """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window."""
+        d, hkv, g = self.cfg.head_dim, self.num_kv_local, self.group
         # per sequence: queries as (Hkv, G*T, D), grouped under their kv head
         qs = []
         for o0, o1 in zip(batch.offsets[:-1], batch.offsets[1:]):
@@ -110,8 +139,7 @@ class Transformer:
             t = batch.counts[j]
             o = _merge(ps).to(self.dtype)  # (Hkv, G*T, D)
             outs.append(o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g * d))
-        attn = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return F.linear(attn, w[p + "wo"])
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _chunk_attention(self, q, k, v, row0, start, count):
         """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's
@@ -171,3 +199,74 @@ def _merge(parts):
     # chunk 0 holds row 0, which every query sees, so the max is finite
     w = torch.exp(lse - lse.amax(0, keepdim=True))
     return (o * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)
+
+
+class DecodeGraphs:
+    """CUDA graphs for decode passes of N tokens (one per sequence): eager PyTorch spends
+    more host time launching a layer's ~25 small kernels than the GPU spends running them,
+    so the fixed-shape parts are captured once and replayed. Segment 0 is the embedding,
+    the RoPE lookup and layer 0's `_pre`; segment i is layer i-1's `_post` and layer i's
+    `_pre`; the last is the final `_post` and the head. Between segments, eager code does
+    what changes shape every step: the cache write, the chunked attention over the window
+    (and with it the transport's copies and events), and the copy of the attention output
+    into the next segment's static input. Every placement runs the same graphs, so output
+    bits still do not depend on where the cache lives.
+
+    The static K/V code outputs of a segment are overwritten when it is replayed in the
+    next pass; the host cache's write-backs read them, so a host cache makes each pass
+    wait for the previous pass's write-backs (HostKVCache.begin)."""
+
+    def __init__(self, model: Transformer, n: int, kv_type: str, max_pos: int):
+        self.model, self.n, self.max_pos = model, n, max_pos
+        dev, dt, L = model.device, model.dtype, model.cfg.num_layers
+        model.rope.tables(slice(0, 1), max_pos, dt)  # grow the tables now: graphs hold their addresses
+        self.inp = torch.zeros(2, n, dtype=torch.long, device=dev)  # token ids, positions
+        self.attn_in = [torch.zeros(n, model.num_q_local * model.cfg.head_dim, dtype=dt, device=dev) for _ in range(L)]
+
+        def seg0():
+            cos, sin = model.rope.tables(self.inp[1], max_pos, dt)
+            x = F.embedding(self.inp[0], model.w["embed"])
+            return (cos, sin, x) + model._pre(0, x, cos, sin, kv_type)
+
+        def seg(i):
+            def f():
+                cos, sin = self.outs[0][0], self.outs[0][1]
+                x = model._post(i - 1, self.outs[i - 1][-4], self.attn_in[i - 1])
+                if i == L:
+                    return (model._head(x),)
+                return (x,) + model._pre(i, x, cos, sin, kv_type)
+            return f
+
+        fns = [seg0] + [seg(i) for i in range(1, L + 1)]
+        torch.cuda.synchronize(dev)
+        side = torch.cuda.Stream(dev)
+        with torch.cuda.stream(side):  # warm-up (lazy library init) outside capture
+            self.outs = []
+            for f in fns:
+                self.outs.append(f())
+        torch.cuda.synchronize(dev)
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs, self.outs = [], []
+        for f in fns:
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
+                out = f()
+            self.graphs.append(g)
+            self.outs.append(out)
+        torch.cuda.synchronize(dev)
+
+    def run(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
+        model = self.model
+        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+        self.inp.copy_(torch.tensor([ids, batch.positions()], dtype=torch.long).pin_memory(), non_blocking=True)
+        cache.begin(batch)
+        try:
+            self.graphs[0].replay()
+            for i in range(model.cfg.num_layers):
+                q, kq, vq = self.outs[i][-3:]
+                cache.write_codes(i, kq, vq)
+                self.attn_in[i].copy_(model._attend(i, q, batch, cache))
+                self.graphs[i + 1].replay()
+        finally:
+            cache.end()
+        return self.outs[-1][0].clone()  # the static output is overwritten by the next pass

@@ -215,6 +215,10 @@ class HostKVCache(KVCache):
         self._copy0 = self.engine.copy_seconds() if self.engine.timing else 0.0
         for _ in range(min(self.depth, self._units)):
             self._issue_next()
+        if self.steps and not self._unsafe_skip_wb:
+            # the model may encode this pass's rows into the buffers the previous pass's
+            # write-backs read from (CUDA graph outputs): compute waits for those copies
+            self.engine.compute_wait(self.wb_done[(self.steps - 1) % 2])
 
     def _issue_next(self):
         u = self._issued
