@@ -3,8 +3,8 @@
 Device-resident, host ordered (-kvpd 0) and host pipelined (-kvpd 1, 4) must give the same
 token ids and bitwise-equal last-step logits, for one sequence and for 8 concurrent
 sequences with different prompts (each carrying a unique nonce). The same under random
-delays on the copy path. Negative controls (skip the `ready` wait, recycle a slot early)
-show that the gate catches a broken ordering.
+delays on the copy path. Negative controls (skip the `ready` wait, recycle a slot early,
+skip the write-back wait, trust a wrong prefetch) show that the gate catches a broken ordering.
 """
 
 import logging
@@ -121,6 +121,10 @@ def test_random_copy_delays_change_nothing_over_1000_decode_steps():
     # write-backs slowed down: a pass that does not wait for the previous pass's
     # write-backs reads rows that are not in host memory yet
     (dict(_unsafe_skip_writeback_wait=True), {1: (0.01, 0.02)}, 6),
+    # the end of a pass prefetches the next pass's first units on a guess; using them for
+    # a pass that was not guessed (the 8-way decode after the last prefill) reads rows
+    # of the wrong sequence
+    (dict(_unsafe_trust_prefetch=True), None, 6),
 ])
 def test_gate_catches_a_broken_ordering(broken, delay, n):
     ref_eng = _engine({}, np_=8)
@@ -140,6 +144,15 @@ def test_gate_catches_a_broken_ordering(broken, delay, n):
             caught = True
             break
     assert caught, f"the gate did not catch {broken}"
+
+
+def test_decode_passes_use_the_prefetched_units():
+    eng = _engine(dict(offload=True, depth=2), np_=8)
+    _run(eng, _prompts(eng, 8), 12)
+    st = eng.cache.stats()
+    # every decode pass after the first was guessed by the pass before; the prefills of
+    # the other sequences were not
+    assert st["prefetch_hits"] >= 10 and st["prefetch_misses"] >= 7, st
 
 
 def test_slow_write_backs_change_nothing():

@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Chunk, KVCache, KVSpec, index_tensor
+from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, KVCache, KVSpec, index_tensor
 from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
 
 log = logging.getLogger(__name__)
@@ -78,19 +78,21 @@ def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> Ring
 class HostKVCache(KVCache):
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
                  _delay_s=None, _unsafe_skip_ready=False, _unsafe_early_recycle=False,
-                 _unsafe_skip_writeback_wait=False, _seed=0):
+                 _unsafe_skip_writeback_wait=False, _unsafe_trust_prefetch=False, _seed=0):
         super().__init__(spec, device, dtype)
         self.kv = kv
         self.pinned = kv.pinned and device.type == "cuda"
         self._unsafe_skip_ready = _unsafe_skip_ready  # negative controls for the gates
         self._unsafe_skip_wb = _unsafe_skip_writeback_wait
+        self._unsafe_trust_prefetch = _unsafe_trust_prefetch  # use prefetched units even for another pass
         self.engine = self._make_engine(_delay_s, _seed)
         self._alloc_host(progress)
         self._unsafe_early_recycle = _unsafe_early_recycle  # no margin and no release wait
         self._build_ring()
         self._unit = 0  # global unit counter: slot = unit % num_slots
+        self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
-        self.totals = dict(early=0, late=0, writeback=0)
+        self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, "pinned" if self.pinned else "pageable",
                  self.describe())
 
@@ -122,6 +124,7 @@ class HostKVCache(KVCache):
         self.kv = kv
         self._build_ring()
         self._unit = 0
+        self._pf = None
         log.info("host KV transport: %s", self.describe())
 
     def _make_engine(self, delay_s, seed) -> CopyEngine:
@@ -190,8 +193,18 @@ class HostKVCache(KVCache):
         spec, c = self.spec, self.spec.chunk_rows
         self._nchunks = batch.num_chunks(c)
         self._units = spec.num_layers * self._nchunks
-        self._unit0 = self._unit  # global index of this pass's unit 0
-        self._issued = 0
+        pf, self._pf = self._pf, None
+        if pf is not None and (pf["key"] == self._pass_key(batch, self._nchunks) or self._unsafe_trust_prefetch):
+            # the end of the previous pass guessed this pass: its first units are on the way
+            self._unit0, self._issued = pf["unit0"], pf["issued"]
+            self.totals["prefetch_hit"] += 1
+        else:
+            if pf is not None:  # a wrong guess: those units' slots are skipped, their copies unused
+                self._unit = pf["unit0"] + pf["issued"]
+                self.totals["prefetch_miss"] += 1
+            self._unit0 = self._unit  # global index of this pass's unit 0
+            self._issued = 0
+            pf = None
         self._new = [None] * spec.num_layers
         # per chunk: where this pass's new rows land in the slot. Per sequence they are one
         # contiguous range (rows [a, b) of the slot at batch index j, from rows [o, o + b - a)
@@ -209,11 +222,11 @@ class HostKVCache(KVCache):
                 src = [o + r for j, a, b, o in ranges for r in range(b - a)]
                 ranges = tuple(index_tensor(x, self.device) for x in (dj, dr, src))
             self._late.append(ranges or None)
-        self._step = dict(early=0, late=0, writeback=0)
+        self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0)
         self._t0 = time.perf_counter()
         self.engine.timing = self.kv.debug >= 2
         self._copy0 = self.engine.copy_seconds() if self.engine.timing else 0.0
-        for _ in range(min(self.depth, self._units)):
+        while self._issued < min(self.depth, self._units):
             self._issue_next()
         if self.steps and not self._unsafe_skip_wb:
             # the model may encode this pass's rows into the buffers the previous pass's
@@ -221,24 +234,55 @@ class HostKVCache(KVCache):
             self.engine.compute_wait(self.wb_done[(self.steps - 1) % 2])
 
     def _issue_next(self):
-        u = self._issued
+        self._step["early"] += self._issue(self.batch, self._nchunks, self._unit0, self._issued)
         self._issued += 1
-        layer, i = divmod(u, self._nchunks)
-        slot = (self._unit0 + u) % self.num_slots
+
+    def _issue(self, batch, nchunks: int, unit0: int, u: int) -> int:
+        """Deliver unit u (layer, chunk) of a pass: each sequence's stable rows of that chunk
+        into the unit's slot. Returns the bytes sent."""
+        layer, i = divmod(u, nchunks)
+        slot = (unit0 + u) % self.num_slots
         c = self.spec.chunk_rows
-        jobs = []
-        for j, (s, start) in enumerate(zip(self.batch.seq_ids, self.batch.starts)):
+        jobs, sent = [], 0
+        for j, (s, start) in enumerate(zip(batch.seq_ids, batch.starts)):
             n = min(start, (i + 1) * c) - i * c  # stable rows of this chunk
             if n <= 0:
                 continue
             r0 = i * c
             jobs.append((self.slot_k[slot][j, :n], self.host_k[layer][s, r0:r0 + n]))
             jobs.append((self.slot_v[slot][j, :n], self.host_v[layer][s, r0:r0 + n]))
-            self._step["early"] += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
+            sent += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
         waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
             waits.append(self.wb_done[(self.steps - 1) % 2])
         self.engine.copy(jobs, waits, self.ready[slot])
+        return sent
+
+    @staticmethod
+    def _pass_key(batch, nchunks: int):
+        # which rows a pass's units deliver depends only on these (not on the new-token counts)
+        return tuple(batch.seq_ids), tuple(batch.starts), nchunks
+
+    def _prefetch_next(self, batch) -> None:
+        """Guess the next pass (the same sequences, one token each, starting where this one
+        ended, as in decode) and issue its first `depth` units now. Without this the link
+        idles from the last delivery of a pass until the host has sampled and started the
+        next pass; with it, the copies run under the last layers' compute and the sampling.
+        The slots are free: all of this pass's units have been enqueued, so every slot's
+        release is recorded. A wrong guess costs only those copies (begin() skips them)."""
+        nxt = Batch(list(batch.seq_ids), list(batch.ends), [1] * len(batch.seq_ids))
+        if max(nxt.ends) > self.spec.ctx:
+            return
+        nchunks = nxt.num_chunks(self.spec.chunk_rows)
+        n = min(self.depth, self.spec.num_layers * nchunks)
+        sent = sum(self._issue(nxt, nchunks, self._unit, u) for u in range(n))
+        self._pf = dict(key=self._pass_key(nxt, nchunks), unit0=self._unit, issued=n, bytes=sent)
+
+    def _drop_prefetch(self) -> None:
+        if self._pf is not None:
+            self._unit = self._pf["unit0"] + self._pf["issued"]
+            self.totals["prefetch_miss"] += 1
+            self._pf = None
 
     def _store(self, layer, kq, vq):
         # (N, H, row_bytes) codes on the device: kept for the slot writes, and copied back
@@ -288,9 +332,12 @@ class HostKVCache(KVCache):
         self._new[layer] = None
 
     def end(self):
+        batch = self.batch
         super().end()
         self._unit += self._units
         self.steps += 1
+        if self.depth and not self._unsafe_early_recycle:
+            self._prefetch_next(batch)
         for k, v in self._step.items():
             self.totals[k] += v
         if self.kv.debug:
@@ -310,11 +357,17 @@ class HostKVCache(KVCache):
     def reset(self, seq_id):
         # the sequence's cells are about to be rewritten: deliveries still reading them finish first
         self.engine.fence()
+        self._drop_prefetch()
         super().reset(seq_id)
+
+    def truncate(self, seq_id, n):
+        self._drop_prefetch()
+        super().truncate(seq_id, n)
 
     def write_host_rows(self, layer, seq_id, start, kq, vq):
         """Write encoded rows straight into host memory (bench depth fill); waits for copies in flight."""
         self.engine.fence()
+        self._drop_prefetch()
         n = kq.shape[0]
         self.host_k[layer][seq_id, start:start + n].copy_(kq)
         self.host_v[layer][seq_id, start:start + n].copy_(vq)
@@ -326,4 +379,5 @@ class HostKVCache(KVCache):
         return dict(mode="pipelined" if self.depth else "ordered", depth=self.depth,
                     ring_mib=round(self.ring_bytes / MiB, 2), slots=self.num_slots,
                     declined=self.decline_reason or "no", early_mib=round(self.totals["early"] / MiB, 2),
-                    late_kib=round(self.totals["late"] / 1024, 1), writeback_kib=round(self.totals["writeback"] / 1024, 1))
+                    late_kib=round(self.totals["late"] / 1024, 1), writeback_kib=round(self.totals["writeback"] / 1024, 1),
+                    prefetch_hits=self.totals["prefetch_hit"], prefetch_misses=self.totals["prefetch_miss"])
