@@ -137,9 +137,10 @@ class KVCache:
                            index_tensor(b.positions(), self.device))
         return self._cells
 
-    def write_codes(self, layer: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
-        """Append this pass's new rows, already encoded by `encode_kv`."""
-        self._store(layer, kq, vq)
+    def write_codes(self, layer: int, kq: torch.Tensor, vq: torch.Tensor, static: bool = False) -> None:
+        """Append this pass's new rows, already encoded by `encode_kv`. `static`: kq/vq are
+        buffers that outlive the pass (CUDA graph outputs), so copies need not keep them."""
+        self._store(layer, kq, vq, static)
 
     def window(self, layer: int) -> Iterator[Chunk]:
         raise NotImplementedError
@@ -166,7 +167,7 @@ class KVCache:
         return {}
 
     # -- storage hooks -----------------------------------------------------------------
-    def _store(self, layer: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
+    def _store(self, layer: int, kq: torch.Tensor, vq: torch.Tensor, static: bool = False) -> None:
         raise NotImplementedError
 
     def _chunk_ranges(self, i: int) -> list[tuple[int, int] | None]:
@@ -193,7 +194,7 @@ class DeviceKVCache(KVCache):
                 f"the KV cache ({spec.total_bytes / 2**30:.2f} GiB) does not fit in device memory: "
                 "lower -c/-np, use a smaller --kv-type, or keep it in host memory with -nkvo") from None
 
-    def _store(self, layer, kq, vq):
+    def _store(self, layer, kq, vq, static=False):
         b = self.batch
         if len(b.seq_ids) <= SLICE_COPY_MAX_SEQS:  # a plain slice copy per sequence: fewer launches
             for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):

@@ -68,7 +68,8 @@ def quantize(x: torch.Tensor, kv_type: str) -> torch.Tensor:
 def dequantize(b: torch.Tensor, kv_type: str, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
     """uint8 (..., row_bytes) -> (..., D) in dtype. `b` must be contiguous in its last dim."""
     if kv_type in FLOAT_TYPES:
-        return b.view(FLOAT_TYPES[kv_type]).to(dtype)
+        x = b.view(FLOAT_TYPES[kv_type])
+        return x if x.dtype == dtype else x.to(dtype)
     if kv_type == "fp8":
         return b.view(torch.float8_e4m3fn).to(dtype)
     nblk = head_dim // QBLOCK

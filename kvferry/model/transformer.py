@@ -127,7 +127,10 @@ class Transformer:
         qs = []
         for o0, o1 in zip(batch.offsets[:-1], batch.offsets[1:]):
             t = o1 - o0
-            qs.append(q[o0:o1].view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d))
+            if t == 1:  # one token: (Hq, D) is already (Hkv, G, D) in memory
+                qs.append((q if o0 == 0 and o1 == q.shape[0] else q[o0]).view(hkv, g, d))
+            else:
+                qs.append(q[o0:o1].view(t, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * t, d))
         parts: list[list] = [[] for _ in qs]
         for chunk in cache.window(layer):
             for j, (kc, vc) in enumerate(zip(chunk.k, chunk.v)):
@@ -137,8 +140,11 @@ class Transformer:
         outs = []
         for j, ps in enumerate(parts):
             t = batch.counts[j]
-            o = _merge(ps).to(self.dtype)  # (Hkv, G*T, D)
-            outs.append(o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g * d))
+            o = _merge(ps)  # (Hkv, G*T, D)
+            if o.dtype != self.dtype:
+                o = o.to(self.dtype)
+            outs.append(o.reshape(1, hkv * g * d) if t == 1 else
+                        o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g * d))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def _chunk_attention(self, q, k, v, row0, start, count):
@@ -264,7 +270,7 @@ class DecodeGraphs:
             self.graphs[0].replay()
             for i in range(model.cfg.num_layers):
                 q, kq, vq = self.outs[i][-3:]
-                cache.write_codes(i, kq, vq)
+                cache.write_codes(i, kq, vq, static=True)
                 self.attn_in[i].copy_(model._attend(i, q, batch, cache))
                 self.graphs[i + 1].replay()
         finally:

@@ -106,6 +106,8 @@ class HostKVCache(KVCache):
             shape = (self.spec.num_seqs, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
             self.slot_k = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
             self.slot_v = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+            self._sk = [[t[j] for j in range(shape[0])] for t in self.slot_k]  # per batch index
+            self._sv = [[t[j] for j in range(shape[0])] for t in self.slot_v]
         except torch.OutOfMemoryError:
             raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
                                "lower --kv-chunk or -np") from None
@@ -155,6 +157,9 @@ class HostKVCache(KVCache):
                 lst.append(t)
             bar.update()
         bar.close()
+        # per layer and sequence: views made once, so a copy's source is one slice per step
+        self._hk = [[t[q] for q in range(spec.num_seqs)] for t in self.host_k]
+        self._hv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_v]
 
     @property
     def slot_rows(self) -> int:
@@ -249,8 +254,8 @@ class HostKVCache(KVCache):
             if n <= 0:
                 continue
             r0 = i * c
-            jobs.append((self.slot_k[slot][j, :n], self.host_k[layer][s, r0:r0 + n]))
-            jobs.append((self.slot_v[slot][j, :n], self.host_v[layer][s, r0:r0 + n]))
+            jobs.append((self._sk[slot][j][:n], self._hk[layer][s][r0:r0 + n]))
+            jobs.append((self._sv[slot][j][:n], self._hv[layer][s][r0:r0 + n]))
             sent += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
         waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
@@ -284,18 +289,26 @@ class HostKVCache(KVCache):
             self.totals["prefetch_miss"] += 1
             self._pf = None
 
-    def _store(self, layer, kq, vq):
+    def _store(self, layer, kq, vq, static=False):
         # (N, H, row_bytes) codes on the device: kept for the slot writes, and copied back
         self._new[layer] = (kq, vq)
         jobs = []
-        for j, (s, start, end) in enumerate(zip(self.batch.seq_ids, self.batch.starts, self.batch.ends)):
-            o0, o1 = self.batch.offsets[j], self.batch.offsets[j + 1]
-            jobs.append((self.host_k[layer][s, start:end], kq[o0:o1]))
-            jobs.append((self.host_v[layer][s, start:end], vq[o0:o1]))
+        b = self.batch
+        if len(b.seq_ids) == 1:
+            s = b.seq_ids[0]
+            jobs = [(self._hk[layer][s][b.starts[0]:b.ends[0]], kq), (self._hv[layer][s][b.starts[0]:b.ends[0]], vq)]
+        else:
+            for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
+                o0, o1 = b.offsets[j], b.offsets[j + 1]
+                jobs.append((self._hk[layer][s][start:end], kq[o0:o1]))
+                jobs.append((self._hv[layer][s][start:end], vq[o0:o1]))
         self._step["writeback"] += 2 * kq.numel()
         # the copy side must not read the rows before the compute side has produced them
         self.engine.compute_record(self.rows_written)
-        self.engine.copy(jobs, [self.rows_written], self.wb_done[self.steps % 2], keep=[kq, vq], lane=1)
+        # static buffers (CUDA graph outputs) are never freed, and the next pass waits for
+        # these copies before overwriting them (begin()); other tensors are kept from reuse
+        self.engine.copy(jobs, [self.rows_written], self.wb_done[self.steps % 2],
+                         keep=() if static else [kq, vq], lane=1)
 
     def window(self, layer):
         c = self.spec.chunk_rows
@@ -316,17 +329,22 @@ class HostKVCache(KVCache):
                     sk[dj, dr] = kq[src]
                     sv[dj, dr] = vq[src]
                     rows = int(src.numel())
+                elif len(late) == 1 and late[0][3] == 0 and kq.shape[0] == late[0][2] - late[0][1]:
+                    j, a, b, o = late[0]  # one sequence, all of the pass's rows: no source slice
+                    self._sk[slot][j][a:b].copy_(kq)
+                    self._sv[slot][j][a:b].copy_(vq)
+                    rows = b - a
                 else:
                     for j, a, b, o in late:
-                        sk[j, a:b].copy_(kq[o:o + b - a])
-                        sv[j, a:b].copy_(vq[o:o + b - a])
+                        self._sk[slot][j][a:b].copy_(kq[o:o + b - a])
+                        self._sv[slot][j][a:b].copy_(vq[o:o + b - a])
                     rows = sum(b - a for j, a, b, o in late)
                 self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
             ks, vs = [], []
             for j, end in enumerate(self.batch.ends):
                 n = min(c, end - i * c)
-                ks.append(sk[j, :n] if n > 0 else None)
-                vs.append(sv[j, :n] if n > 0 else None)
+                ks.append(self._sk[slot][j][:n] if n > 0 else None)
+                vs.append(self._sv[slot][j][:n] if n > 0 else None)
             yield Chunk(i, i * c, ks, vs)
             self.engine.compute_record(self.release[slot])
         self._new[layer] = None
