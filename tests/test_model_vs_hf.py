@@ -53,9 +53,11 @@ def test_gguf_greedy_continuations_match_transformers(hf_gguf, engine):
         assert _ours_greedy(engine, ids, 32) == _hf_greedy(hf_gguf, ids, 32), p
 
 
-def test_multichunk_attention_matches_transformers(hf_gguf):
-    """Chunked attention with the log-sum-exp merge (chunks of 16 rows) is the same model."""
-    eng = make_engine(ctx_size=256, kv={"chunk_rows": 16}, ubatch=7)
+@pytest.mark.parametrize("fa", [True, False])
+def test_multichunk_attention_matches_transformers(hf_gguf, fa):
+    """Chunked attention with the log-sum-exp merge (chunks of 16 rows) is the same model,
+    with the fused kernel per chunk (-fa on) and with plain matmuls (-fa off)."""
+    eng = make_engine(ctx_size=256, kv={"chunk_rows": 16}, ubatch=7, flash_attn=fa)
     ids = eng.tokenizer.encode(PROMPTS[2] + " a fisherman who had never seen a storm.")
     ours = eng.prefill(0, ids)
     with torch.no_grad():
