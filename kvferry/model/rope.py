@@ -72,7 +72,6 @@ class Rope:
         self.inv_freq = self.inv_freq.to(device)
         self.device = device
         self.cos = self.sin = None
-        self._cast = {}  # dtype -> (cos, sin) in that dtype
         self._grow(4096)
 
     def _grow(self, n):
@@ -80,7 +79,7 @@ class Rope:
         freqs = torch.outer(t, self.inv_freq)  # (n, D/2)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos, self.sin = emb.cos() * self.mscale, emb.sin() * self.mscale
-        self._cast = {}
+        self._cast = {}  # dtype -> (cos, signed sin) in that dtype, made on first use
 
     def tables(self, positions: torch.Tensor | slice, max_pos: int, dtype):
         """positions: (N,) int64 on the device, or a slice when they are one run; max_pos

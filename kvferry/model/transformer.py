@@ -153,31 +153,31 @@ class Transformer:
         (Hkv, G*T) in float32, for the merge."""
         n = k.shape[0]
         if row0 + n - 1 > start:  # the chunk holds rows some query must not see: causal mask
-            return self._masked_attention(q, k, v, row0, start, count)
+            key_pos = torch.arange(row0, row0 + n, device=q.device)
+            q_pos = start + torch.arange(count, device=q.device).repeat(q.shape[1] // count)
+            return self._matmul_attention(q, k, v, key_pos[None, None, :] > q_pos[None, :, None])
         if self.fused is not None:  # every query sees every row: one fused kernel
             o, lse = self.fused(q.unsqueeze(0), k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0),
                                 self.scale)
             return o[0], lse[0]
-        s = torch.matmul(q * self.scale, k.permute(1, 2, 0)).float()  # (Hkv, G*T, n)
-        m = s.amax(-1, keepdim=True)
-        pw = s.sub_(m).exp_()
-        l = pw.sum(-1, keepdim=True)
-        o = torch.matmul(pw.to(v.dtype), v.permute(1, 0, 2)).float() / l
-        return o, (m + l.log()).squeeze(-1)
+        return self._matmul_attention(q, k, v)
 
-    def _masked_attention(self, q, k, v, row0, start, count):
-        n = k.shape[0]
+    def _matmul_attention(self, q, k, v, mask=None):
+        """Plain-matmul attention of one chunk, with an optional causal mask (True = hidden)."""
         s = torch.matmul(q * self.scale, k.permute(1, 2, 0)).float()  # (Hkv, G*T, n)
-        key_pos = torch.arange(row0, row0 + n, device=q.device)
-        q_pos = start + torch.arange(count, device=q.device).repeat(q.shape[1] // count)
-        s = s.masked_fill(key_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(mask, float("-inf"))
         m = s.amax(-1, keepdim=True)
-        # a query may see no row of a later chunk (prefill): its weights and output stay
-        # zero and its log-sum-exp -inf, so the merge gives the chunk zero weight
-        pw = s.sub_(torch.where(torch.isinf(m), torch.zeros_like(m), m)).exp_()
+        if mask is None:
+            pw = s.sub_(m).exp_()
+        else:  # a query may see no row of a later chunk (prefill): its weights stay zero
+            pw = s.sub_(torch.where(torch.isinf(m), torch.zeros_like(m), m)).exp_()
         l = pw.sum(-1, keepdim=True)
         o = torch.matmul(pw.to(v.dtype), v.permute(1, 0, 2)).float()
-        o = torch.where(l > 0, o / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(o))
+        if mask is None:
+            o = o / l
+        else:  # ... and its output zero and log-sum-exp -inf, so the merge gives the chunk zero weight
+            o = torch.where(l > 0, o / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(o))
         return o, (m + l.log()).squeeze(-1)
 
 
@@ -223,7 +223,7 @@ class DecodeGraphs:
     wait for the previous pass's write-backs (HostKVCache.begin)."""
 
     def __init__(self, model: Transformer, n: int, kv_type: str, max_pos: int):
-        self.model, self.n, self.max_pos = model, n, max_pos
+        self.model, self.max_pos = model, max_pos
         dev, dt, L = model.device, model.dtype, model.cfg.num_layers
         model.rope.tables(slice(0, 1), max_pos, dt)  # grow the tables now: graphs hold their addresses
         self.inp = torch.zeros(2, n, dtype=torch.long, device=dev)  # token ids, positions
