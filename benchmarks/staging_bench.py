@@ -1,14 +1,21 @@
 """Host<->device bandwidth: pinned copy_, pageable copy_, and pageable through StagingBuffer.
 
     python benchmarks/staging_bench.py --out DIR [--max-gib 4] [--reps 5] [--cap-mib 64]
+                                       [--sweep-min-chunk-mib 1,2,4 --sweep-split 2,4,8]
 
-Writes DIR/staging.md (markdown table), DIR/staging.json and DIR/staging.png. Needs a CUDA GPU;
-on a machine without one it says so and exits with status 2.
+Writes DIR/staging.md (markdown tables), DIR/staging.json and DIR/staging.png. Needs a CUDA
+GPU; on a machine without one it says so and exits with status 2.
 
-Timing: the pinned paths are timed with CUDA events on the current stream (the copy is a single
-async DMA). The pageable and staging paths do host work too, so they are timed on the wall clock
-between two device synchronizations. Each number is the median of --reps runs after one warm-up.
-Host buffers of the largest size are allocated once and sliced, because pinning GiBs is slow.
+Two measurements per copy size, for every path, all timed the same way (wall clock between two
+device synchronizations, median of --reps runs after one warm-up):
+  single   one copy of that size: its latency, as a weight upload or one delivery sees it;
+  stream   back-to-back copies of that size (at least --stream-mib MiB in all, from distinct
+           source and destination offsets, so no copy reads what the cache still holds), as a
+           stream of KV deliveries sees it; this is how bandwidthTest-style tools measure.
+The pinned path is also timed with CUDA events (the DMA alone, no launch or sync) as the raw
+link figure. The host memcpy column is pageable to pinned host memory, the other half of a
+staged copy: a staged copy cannot beat min(link, memcpy). Host buffers of the largest size are
+allocated once and sliced, because pinning GiBs is slow.
 """
 
 from __future__ import annotations
@@ -23,11 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvferry.transport.staging import get_staging, staging_pinned_bytes  # noqa: E402
+from kvferry.transport.staging import StagingBuffer  # noqa: E402
 
 MIB = 1 << 20
 SIZES_MIB = [1, 4, 16, 64, 256, 1024, 4096]
-PATHS = ["h2d_pinned", "h2d_pageable", "h2d_staging", "d2h_pinned", "d2h_pageable", "d2h_staging"]
 
 
 def progress(msg: str) -> None:
@@ -35,7 +41,7 @@ def progress(msg: str) -> None:
     sys.stderr.flush()
 
 
-def time_events(fn, reps: int) -> float:
+def time_events(fn, reps: int) -> list[float]:
     fn()
     times = []
     for _ in range(reps):
@@ -48,7 +54,7 @@ def time_events(fn, reps: int) -> float:
     return times
 
 
-def time_wall(fn, reps: int) -> float:
+def time_wall(fn, reps: int) -> list[float]:
     fn()
     times = []
     for _ in range(reps):
@@ -60,12 +66,76 @@ def time_wall(fn, reps: int) -> float:
     return times
 
 
+class Buffers:
+    def __init__(self, top: int, dev: torch.device):
+        progress(f"allocating {top / MIB:.0f} MiB: device, pinned and 2 pageable host buffers")
+        self.dev = torch.empty(top, dtype=torch.uint8, device=dev)
+        self.dev.random_(0, 256)
+        self.pinned = torch.empty(top, dtype=torch.uint8, pin_memory=True)
+        self.pinned.copy_(self.dev)
+        self.src = torch.empty(top, dtype=torch.uint8)
+        self.src.copy_(self.pinned)  # random bytes, and every page faulted in before timing
+        self.back = torch.zeros(top, dtype=torch.uint8)
+        self.top = top
+
+    def slices(self, n: int, stream_bytes: int):
+        """Views for one size: the single-copy operands, and k distinct operands for a stream."""
+        k = max(1, min(self.top // n, -(-stream_bytes // n)))
+        return k, [slice(i * n, (i + 1) * n) for i in range(k)]
+
+
+def measure_size(b: Buffers, n: int, staging: StagingBuffer, reps: int, stream_bytes: int,
+                 label: str, plain: bool = True) -> dict:
+    k, sl = b.slices(n, stream_bytes)
+    d, p, s, bk = b.dev, b.pinned, b.src, b.back
+    paths = {
+        "h2d_pinned": lambda i: d[sl[i]].copy_(p[sl[i]], non_blocking=True),
+        "h2d_staging": lambda i: staging.copy_to_device(d[sl[i]], s[sl[i]]),
+        "d2h_pinned": lambda i: p[sl[i]].copy_(d[sl[i]], non_blocking=True),
+        "d2h_staging": lambda i: staging.copy_to_host(bk[sl[i]], d[sl[i]]),
+        "memcpy": lambda i: p[sl[i]].copy_(s[sl[i]]),
+    }
+    if plain:
+        paths["h2d_pageable"] = lambda i: d[sl[i]].copy_(s[sl[i]])
+        paths["d2h_pageable"] = lambda i: bk[sl[i]].copy_(d[sl[i]])
+    secs = {}
+    for name, fn in paths.items():
+        progress(f"{label}: {name}")
+        secs[f"single_{name}"] = time_wall(lambda: fn(0), reps)
+        if k > 1 or name.endswith("staging"):
+            def stream(fn=fn):
+                for i in range(k):
+                    fn(i)
+            secs[f"stream_{name}"] = [t / k for t in time_wall(stream, reps)]
+        else:
+            secs[f"stream_{name}"] = secs[f"single_{name}"]
+    secs["event_h2d_pinned"] = time_events(lambda: d[sl[0]].copy_(p[sl[0]], non_blocking=True), reps)
+    # the staged data must be right: a fresh round trip of the first slice, both directions
+    torch.cuda.synchronize()
+    d[sl[0]].zero_()
+    bk[sl[0]].zero_()
+    staging.copy_to_device(d[sl[0]], s[sl[0]])
+    staging.copy_to_host(bk[sl[0]], d[sl[0]])
+    ok = torch.equal(bk[sl[0]], s[sl[0]])
+    med = {key: statistics.median(v) for key, v in secs.items()}
+    return {"bytes": n, "stream_copies": k, "seconds": med, "gbps": {key: n / v / 1e9 for key, v in med.items()},
+            "all_seconds": secs, "verified": bool(ok)}
+
+
+def pct(g: dict, mode: str, direction: str) -> float:
+    return 100 * g[f"{mode}_{direction}_staging"] / g[f"{mode}_{direction}_pinned"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="folder for staging.md/.json/.png")
     ap.add_argument("--max-gib", type=float, default=4.0, help="largest copy size in GiB")
     ap.add_argument("--reps", type=int, default=5, help="timed runs per point (median kept)")
     ap.add_argument("--cap-mib", type=int, default=64, help="staging buffer cap in MiB")
+    ap.add_argument("--stream-mib", type=int, default=512, help="bytes per stream measurement")
+    ap.add_argument("--sweep-min-chunk-mib", default="", help="comma list: also time these minimum chunk sizes")
+    ap.add_argument("--sweep-split", default="", help="comma list: also time these split counts")
+    ap.add_argument("--sweep-sizes-mib", default="1,4,16,64", help="copy sizes for the sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("staging_bench: no CUDA GPU visible (torch.cuda.is_available() is False); "
@@ -77,81 +147,80 @@ def main() -> int:
         ap.error("--max-gib is below the smallest size (1 MiB)")
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda", torch.cuda.current_device())
-    top = sizes[-1]
-
-    progress(f"allocating {top / MIB:.0f} MiB: device, pinned and 2 pageable host buffers")
-    d_buf = torch.empty(top, dtype=torch.uint8, device=dev)
-    d_buf.random_(0, 256)
-    pinned = torch.empty(top, dtype=torch.uint8, pin_memory=True)
-    pinned.copy_(d_buf)
-    src = torch.empty(top, dtype=torch.uint8)
-    src.copy_(pinned)  # random bytes, and every page faulted in before timing
-    back = torch.zeros(top, dtype=torch.uint8)
-    staging = get_staging(dev, args.cap_mib * MIB)
+    b = Buffers(sizes[-1], dev)
+    staging = StagingBuffer(dev, args.cap_mib * MIB)
+    stream_bytes = args.stream_mib * MIB
 
     rows = []
     for i, n in enumerate(sizes):
-        label = f"[{i + 1}/{len(sizes)}] {n / MIB:.0f} MiB"
-        d, p, s, b = d_buf[:n], pinned[:n], src[:n], back[:n]
-        secs = {}
-        progress(f"{label}: h2d pinned")
-        secs["h2d_pinned"] = time_events(lambda: d.copy_(p, non_blocking=True), args.reps)
-        progress(f"{label}: h2d pageable")
-        secs["h2d_pageable"] = time_wall(lambda: d.copy_(s), args.reps)
-        progress(f"{label}: h2d staging")
-        secs["h2d_staging"] = time_wall(lambda: staging.copy_to_device(d, s), args.reps)
-        torch.cuda.synchronize()
-        ok_h2d = bool(torch.equal(d, s.to(dev)))
-        progress(f"{label}: d2h pinned")
-        secs["d2h_pinned"] = time_events(lambda: p.copy_(d, non_blocking=True), args.reps)
-        progress(f"{label}: d2h pageable")
-        secs["d2h_pageable"] = time_wall(lambda: b.copy_(d), args.reps)
-        b.zero_()
-        progress(f"{label}: d2h staging")
-        secs["d2h_staging"] = time_wall(lambda: staging.copy_to_host(b, d), args.reps)
-        ok_d2h = bool(torch.equal(b, s))
-        med = {k: statistics.median(v) for k, v in secs.items()}
-        gbps = {k: n / v / 1e9 for k, v in med.items()}
-        rows.append({"bytes": n, "seconds": med, "gbps": gbps, "all_seconds": secs,
-                     "staging_h2d_verified": ok_h2d, "staging_d2h_verified": ok_d2h})
+        rows.append(measure_size(b, n, staging, args.reps, stream_bytes, f"[{i + 1}/{len(sizes)}] {n / MIB:.0f} MiB"))
+    sweep = []
+    mins = [int(float(x) * MIB) for x in args.sweep_min_chunk_mib.split(",") if x]
+    splits = [int(x) for x in args.sweep_split.split(",") if x]
+    if mins or splits:
+        for mc in mins or [staging.min_chunk_bytes]:
+            for sp in splits or [staging.split]:
+                st = StagingBuffer(dev, args.cap_mib * MIB, min_chunk_bytes=mc, split=sp)
+                for m in [int(x) for x in args.sweep_sizes_mib.split(",")]:
+                    r = measure_size(b, m * MIB, st, args.reps, stream_bytes,
+                                     f"sweep min {mc / MIB:g} MiB split {sp}: {m} MiB", plain=False)
+                    sweep.append({"min_chunk_bytes": mc, "split": sp, **r})
+                st.close()
     progress("")
 
     info = {
         "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-        "host_threads": torch.get_num_threads(), "reps": args.reps,
-        "cap_bytes": staging.cap_bytes, "staging_peak_bytes": staging.peak_bytes,
-        "staging_pinned_bytes_total": staging_pinned_bytes(),
-        "timing": {"pinned": "cuda events", "pageable/staging": "wall clock between syncs"},
+        "host_threads": torch.get_num_threads(), "reps": args.reps, "stream_bytes": stream_bytes,
+        "cap_bytes": staging.cap_bytes, "min_chunk_bytes": staging.min_chunk_bytes, "split": staging.split,
+        "staging_peak_bytes": staging.peak_bytes, "staging_pinned_bytes": staging.pinned_bytes,
+        "timing": "wall clock between device syncs for every path; event_h2d_pinned: CUDA events",
     }
-    md = render_markdown(rows, info)
+    md = render_markdown(rows, sweep, info)
     print(md)
     (args.out / "staging.md").write_text(md)
-    (args.out / "staging.json").write_text(json.dumps({"info": info, "rows": rows}, indent=2))
+    (args.out / "staging.json").write_text(json.dumps({"info": info, "rows": rows, "sweep": sweep}, indent=2))
     plot(rows, args.out / "staging.png", info)
-    bad = [r["bytes"] for r in rows if not (r["staging_h2d_verified"] and r["staging_d2h_verified"])]
+    bad = [r["bytes"] for r in rows + sweep if not r["verified"]]
     if bad:
         print(f"staging_bench: staged data did NOT match for sizes {bad}", file=sys.stderr)
         return 1
     return 0
 
 
-def render_markdown(rows, info) -> str:
-    head = ("| size | H2D pinned | H2D pageable | H2D staging | staging % pinned "
-            "| D2H pinned | D2H pageable | D2H staging | staging % pinned |")
+def _size(n: int) -> str:
+    return f"{n // MIB} MiB" if n < 1 << 30 else f"{n >> 30} GiB"
+
+
+def render_markdown(rows, sweep, info) -> str:
     lines = [f"# Host<->device copy bandwidth (GB/s, 1 GB = 1e9 bytes) on {info['gpu']}", "",
-             f"torch {info['torch']}, {info['host_threads']} host threads, median of "
-             f"{info['reps']} runs; staging cap {info['cap_bytes'] // MIB} MiB, "
-             f"peak staging bytes {info['staging_peak_bytes']:,}.", "",
-             head, "|" + "---|" * 9]
-    for r in rows:
-        g = r["gbps"]
-        size = f"{r['bytes'] // MIB} MiB" if r["bytes"] < 1 << 30 else f"{r['bytes'] >> 30} GiB"
-        lines.append(
-            f"| {size} | {g['h2d_pinned']:.1f} | {g['h2d_pageable']:.1f} | {g['h2d_staging']:.1f} "
-            f"| {100 * g['h2d_staging'] / g['h2d_pinned']:.0f}% | {g['d2h_pinned']:.1f} "
-            f"| {g['d2h_pageable']:.1f} | {g['d2h_staging']:.1f} "
-            f"| {100 * g['d2h_staging'] / g['d2h_pinned']:.0f}% |")
-    return "\n".join(lines) + "\n"
+             f"torch {info['torch']}, {info['host_threads']} host threads, median of {info['reps']} runs; "
+             f"staging cap {info['cap_bytes'] // MIB} MiB, minimum chunk {info['min_chunk_bytes'] / MIB:g} MiB, "
+             f"split {info['split']}; peak staging bytes {info['staging_peak_bytes']:,}. Every path timed on "
+             "the wall clock between syncs; 'event' is the pinned DMA alone (CUDA events).", ""]
+    for mode, what in (("stream", f"back-to-back copies of each size (>= {info['stream_bytes'] // MIB} MiB per run)"),
+                       ("single", "one copy of each size")):
+        lines += [f"## {mode}: {what}", "",
+                  "| size | H2D pinned (event) | H2D pinned | H2D pageable | H2D staging | staging % pinned "
+                  "| D2H pinned | D2H pageable | D2H staging | staging % pinned | host memcpy |",
+                  "|" + "---|" * 11]
+        for r in rows:
+            g = r["gbps"]
+            lines.append(
+                f"| {_size(r['bytes'])} | {g['event_h2d_pinned']:.1f} | {g[f'{mode}_h2d_pinned']:.1f} "
+                f"| {g[f'{mode}_h2d_pageable']:.1f} | {g[f'{mode}_h2d_staging']:.1f} | {pct(g, mode, 'h2d'):.0f}% "
+                f"| {g[f'{mode}_d2h_pinned']:.1f} | {g[f'{mode}_d2h_pageable']:.1f} | {g[f'{mode}_d2h_staging']:.1f} "
+                f"| {pct(g, mode, 'd2h'):.0f}% | {g[f'{mode}_memcpy']:.1f} |")
+        lines.append("")
+    if sweep:
+        lines += ["## chunking sweep: staging % of pinned (stream / single)", "",
+                  "| min chunk | split | size | H2D | D2H |", "|---|---|---|---|---|"]
+        for r in sweep:
+            g = r["gbps"]
+            lines.append(f"| {r['min_chunk_bytes'] / MIB:g} MiB | {r['split']} | {_size(r['bytes'])} "
+                         f"| {pct(g, 'stream', 'h2d'):.0f}% / {pct(g, 'single', 'h2d'):.0f}% "
+                         f"| {pct(g, 'stream', 'd2h'):.0f}% / {pct(g, 'single', 'd2h'):.0f}% |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def plot(rows, path: Path, info) -> None:
@@ -159,19 +228,21 @@ def plot(rows, path: Path, info) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
     x = [r["bytes"] / MIB for r in rows]
-    for key in PATHS:
-        style = "-o" if key.startswith("h2d") else "--s"
-        ax.plot(x, [r["gbps"][key] for r in rows], style, label=key.replace("_", " "))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("copy size (MiB)")
-    ax.set_ylabel("GB/s")
-    ax.set_title(f"host<->device copies, {info['gpu']}, staging cap {info['cap_bytes'] // MIB} MiB")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
+    for ax, mode in zip(axes, ("stream", "single")):
+        for key in ("h2d_pinned", "h2d_staging", "h2d_pageable", "d2h_pinned", "d2h_staging", "d2h_pageable", "memcpy"):
+            style = "-o" if key.startswith("h2d") else ("--s" if key.startswith("d2h") else ":^")
+            ax.plot(x, [r["gbps"][f"{mode}_{key}"] for r in rows], style, label=key.replace("_", " "))
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("copy size (MiB)")
+        ax.set_title(f"{mode}: {'back-to-back copies' if mode == 'stream' else 'one copy'}")
+        ax.grid(True, alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"host<->device copies, {info['gpu']}, staging cap {info['cap_bytes'] // MIB} MiB")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 

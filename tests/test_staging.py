@@ -110,12 +110,18 @@ def test_small_copy_does_not_allocate_the_cap():
     buf = StagingBuffer(CPU, CAP)
     assert buf.pinned_bytes == 0  # lazy
     assert _round_trip(buf, 100, seed=1)
-    assert buf.pinned_bytes == 2 * 4096 < CAP
-    assert _round_trip(buf, 10_000, seed=2)
-    assert buf.pinned_bytes == 2 * 16_384
+    assert buf.pinned_bytes == 2 * 2 * 4096 < CAP  # two directions of two 4 KiB halves
+    assert _round_trip(buf, 5_000, seed=2)
+    assert buf.pinned_bytes == 2 * 2 * 8192 < CAP
     assert _round_trip(buf, 100, seed=3)
-    assert buf.pinned_bytes == 2 * 16_384  # kept for reuse, not shrunk
-    assert buf.peak_bytes == 2 * 16_384
+    assert buf.pinned_bytes == 2 * 2 * 8192  # kept for reuse, not shrunk
+    assert buf.peak_bytes == 2 * 2 * 8192
+
+
+def test_one_direction_grows_alone():
+    buf = StagingBuffer(CPU, CAP)
+    buf.copy_to_device(torch.zeros(3 * CAP, dtype=torch.uint8), _random_bytes(3 * CAP, 4))
+    assert buf.pinned_bytes == CAP // 2  # only the host-to-device halves exist
 
 
 def test_uncapped_variant_is_caught():
@@ -129,7 +135,7 @@ def test_uncapped_variant_is_caught():
 
 @pytest.mark.parametrize("direction", ["to_device", "to_host"])
 def test_half_wait_is_what_keeps_data_intact(direction):
-    n = 8 * 4096 + 77  # 9 chunks through 4 KiB halves
+    n = 8 * 4096 + 77  # 17 chunks through the 2 KiB halves of each direction
 
     def trip(skip: bool, seed: int) -> bool:
         buf = StagingBuffer(CPU, 8192, _test_delay_s=0.002, _test_skip_half_wait=skip)
@@ -176,14 +182,14 @@ def test_without_the_lock_threads_corrupt_each_other():
     # Negative control for the test above: the lock is what keeps concurrent copies apart.
     for _ in range(3):
         buf = StagingBuffer(CPU, CAP, _test_delay_s=0.001)
-        buf._lock = contextlib.nullcontext()
+        buf._h2d.lock = buf._d2h.lock = contextlib.nullcontext()
         if not all(_concurrent_round_trips(buf, trips=2)):
             return
     pytest.fail("two unlocked threads never corrupted each other")
 
 
 def test_validation():
-    for cap in (0, -2, 4097, 1.5, True):
+    for cap in (0, -2, 4097, 4098, 1.5, True):
         with pytest.raises(ValueError):
             StagingBuffer(CPU, cap)
     buf = StagingBuffer(CPU, 4096)
@@ -196,6 +202,63 @@ def test_validation():
     old = get_staging(CPU, CAP)
     new = get_staging(CPU, 2 * CAP)  # another cap replaces the buffer
     assert new is not old and new.cap_bytes == 2 * CAP and get_staging(CPU) is new
+
+
+def test_copies_smaller_than_a_half_are_split_into_chunks():
+    # 40,000 bytes fit in one 64 KiB half, yet go through in `split` page-sized chunks so the
+    # memcpy of one overlaps the DMA of the one before; the halves are only a chunk large.
+    buf = StagingBuffer(CPU, 1 << 20, min_chunk_bytes=4096, split=4)
+    assert buf._chunk(40_000) == 12_288 and buf._chunk(4096) == 4096
+    assert _round_trip(buf, 40_000, seed=31)
+    assert buf.pinned_bytes == 2 * 2 * 16_384
+    big = StagingBuffer(CPU, 1 << 20)  # default minimum chunk: a small copy is one chunk
+    assert big._chunk(40_000) == 40_000 and big._chunk(10 << 20) == (1 << 20) // 4
+
+
+def test_split_chunks_need_the_half_wait_too():
+    # Negative control for the sub-chunk path: chunks well below the half size still alternate
+    # halves, and skipping the per-half wait corrupts them.
+    def trip(skip: bool, seed: int) -> bool:
+        buf = StagingBuffer(CPU, 1 << 20, min_chunk_bytes=4096, split=8,
+                            _test_delay_s=0.002, _test_skip_half_wait=skip)
+        src = _random_bytes(9 * 4096 + 5, seed)
+        dst = torch.zeros_like(src)
+        buf.copy_to_device(dst, src)
+        return torch.equal(dst, src)
+
+    assert any(not trip(True, seed) for seed in range(5)), "skipping the wait went unnoticed"
+    assert all(trip(False, seed) for seed in range(3))
+
+
+def test_copy_all_streams_several_pairs_through_one_lock():
+    buf = StagingBuffer(CPU, CAP, _test_delay_s=0.0005)
+    sizes = [0, 1, 4096 + 12, CAP // 4, 2 * CAP + 345]
+    srcs = [_random_bytes(n, 40 + i) for i, n in enumerate(sizes)]
+    devs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    buf.copy_all_to_device(list(zip(devs, srcs)))
+    assert all(torch.equal(d, s) for d, s in zip(devs, srcs))
+    backs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    buf.copy_all_to_host(list(zip(backs, devs)))
+    assert all(torch.equal(b, s) for b, s in zip(backs, srcs))
+    _assert_capped(buf)
+
+
+@pytest.mark.parametrize("shared_lock", [False, True])
+def test_a_write_back_does_not_wait_for_a_delivery(shared_lock):
+    # The two directions have their own halves and lock, so a device-to-host copy runs while a
+    # host-to-device copy holds its lock. Negative control: with one lock for both it blocks.
+    buf = StagingBuffer(CPU, CAP)
+    if shared_lock:
+        buf._d2h.lock = buf._h2d.lock
+    done = threading.Event()
+    src, dst = _random_bytes(3 * CAP, 50), torch.zeros(3 * CAP, dtype=torch.uint8)
+    with buf._h2d.lock:  # a delivery in progress
+        t = threading.Thread(target=lambda: (buf.copy_to_host(dst, src), done.set()), daemon=True)
+        t.start()
+        finished = done.wait(timeout=5 if not shared_lock else 0.5)
+    t.join(timeout=10)
+    assert finished == (not shared_lock)
+    assert torch.equal(dst, src)
 
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -221,7 +284,7 @@ def test_cuda_round_trip_is_ordered_with_the_callers_stream(cap, n_of_cap, side_
         d = dev_outer[OFF:OFF + n]
         torch.cuda._sleep(50_000_000)
         d.zero_()  # queued behind a slow kernel: the copy must wait for it on the device
-        with torch.cuda.stream(buf._stream):
+        with torch.cuda.stream(buf._h2d.stream):
             torch.cuda._sleep(50_000_000)  # keeps the copy in flight after copy_to_device returns
         buf.copy_to_device(d, src)
         assert torch.equal(d, expected)  # no host sync in between

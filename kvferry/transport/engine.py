@@ -139,12 +139,18 @@ class CudaCopyEngine(CopyEngine):
         return self.copy_s
 
 
+def _plain_copies(jobs, lane):
+    for dst, src in jobs:
+        dst.copy_(src)
+
+
 class ThreadCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None):
         super().__init__(device, delay_s, seed)
         cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) if cuda else None for _ in range(2)]
-        self.copy_fn = copy_fn or (lambda dst, src: dst.copy_(src))
+        # copy_fn(jobs, lane) runs one copy() call's jobs; the default copies them one by one
+        self.copy_fn = copy_fn or _plain_copies
         self._queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self._pending = 0
         self._cv = threading.Condition()
@@ -177,8 +183,7 @@ class ThreadCopyEngine(CopyEngine):
                         for ev, g in gens:
                             ev.wait_host(g)  # recorded (not finished) on its stream
                             stream.wait_event(ev.cuda)
-                        for dst, src in jobs:
-                            self.copy_fn(dst, src)
+                        self.copy_fn(jobs, lane)
                         for t in keep:
                             t.record_stream(stream)
                         if sig:
@@ -188,8 +193,7 @@ class ThreadCopyEngine(CopyEngine):
                         ev.wait_host(g)
                     if self.delay_s and lane in self.delay_s:
                         time.sleep(rng.uniform(*self.delay_s[lane]))
-                    for dst, src in jobs:
-                        self.copy_fn(dst, src)
+                    self.copy_fn(jobs, lane)
                 self.copy_s += time.perf_counter() - t0
             except BaseException as e:  # surfaced on the next call from the main thread
                 self._error = e

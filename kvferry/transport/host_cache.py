@@ -137,11 +137,11 @@ class HostKVCache(KVCache):
         from kvferry.transport.staging import get_staging
         staging = get_staging(self.device, self.kv.staging_cap_mib * MiB)
 
-        def staged(dst, src):
-            if dst.device.type == "cpu" and src.device.type != "cpu":
-                staging.copy_to_host(dst, src)
+        def staged(jobs, lane):  # lane 0 deliveries, lane 1 write-backs
+            if lane == 0:
+                staging.copy_all_to_device(jobs)
             else:
-                staging.copy_to_device(dst, src)
+                staging.copy_all_to_host(jobs)
         return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged)
 
     def _alloc_host(self, progress):

@@ -5,13 +5,18 @@ pinning a multi-GiB KV cache up front is slow and can exhaust locked memory. Ins
 is bounced through a small pinned buffer in chunks, so the host memcpy of one chunk overlaps
 the DMA of the previous one.
 
-Owns: one buffer per device (pinned when the device is CUDA, plain memory on CPU), its copy
-stream (on CPU a single worker thread that stands in for the copy engine), one event per half
-and the lock that gives one copy the buffer for all of its chunks.
+Owns: one buffer per device of at most ``cap_bytes``, split into two directions (host to
+device, device to host) so that a delivery and a write-back never wait for each other (the
+link is full duplex). Each direction is double-buffered: two halves, one event per half, its
+own copy stream (on CPU a worker thread that stands in for the copy engine) and its own lock,
+which one copy holds for all of its chunks.
 
 Must not: hold more than ``cap_bytes`` (the copy size never decides the buffer size), touch a
 half on the host while the copy engine may still use it, keep references to caller tensors after
 a copy returns, or block the host where a stream-to-stream wait is enough.
+
+Why by hand: PyTorch has no chunked pageable copy (its own pageable ``copy_`` is the slow
+path this replaces), and CUDA's driver-side staging is neither capped nor overlapped.
 """
 
 from __future__ import annotations
@@ -29,6 +34,13 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CAP_BYTES = 64 << 20
 _MIN_HALF = 4096  # smaller halves only add per-chunk overhead; page size keeps halves aligned
+_PAGE = 4096
+# A copy is cut into at least DEFAULT_SPLIT chunks of at least DEFAULT_MIN_CHUNK bytes (and
+# at most a half), so the memcpy of chunk k + 1 overlaps the DMA of chunk k even when the
+# whole copy would fit in one half; below DEFAULT_MIN_CHUNK the per-chunk host cost (tens of
+# microseconds of launches) would outweigh the overlap. Measured on the H200: docs/results.md.
+DEFAULT_MIN_CHUNK = 2 << 20
+DEFAULT_SPLIT = 4
 
 
 class _HostEvent:
@@ -119,99 +131,166 @@ def _normalize(device) -> torch.device:
 def _flat_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError(f"staging copy: {what} must be contiguous (got strides {t.stride()})")
+    if t.dtype == torch.uint8 and t.dim() == 1:
+        return t
     # reshape(-1) first: view(uint8) on a 0-d tensor of a wider dtype is not allowed
     return t.reshape(-1).view(torch.uint8)
 
 
+class _Direction:
+    """One direction's double buffer: two halves, an event per half, a stream and a lock."""
+
+    def __init__(self, device: torch.device, name: str, delay_s: float):
+        self.lock = threading.Lock()
+        self.buf: torch.Tensor | None = None
+        self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.half = 0
+        self.registered = 0  # host pointer registered with CUDA (pinned in place), 0 = none
+        # the half the next copy starts in: consecutive copies alternate halves, so the host
+        # memcpy of one small copy overlaps the DMA of the one before it
+        self.next = 0
+        self.worker: _CopyWorker | None = None
+        if device.type == "cuda":
+            self.stream = torch.cuda.Stream(device=device)
+            self.events = [torch.cuda.Event(), torch.cuda.Event()]
+        else:
+            self.stream = None
+            self.worker = _CopyWorker(f"kvferry-staging-{name}-{device}", delay_s)
+            self.events = [_HostEvent(self.worker), _HostEvent(self.worker)]
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.half
+
+    def synchronize(self) -> None:
+        for ev in self.events:
+            ev.synchronize()
+
+    def free(self) -> None:
+        """Release the halves (the caller has waited for their copies)."""
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+        self.buf = self.halves = None
+        self.half = self.registered = 0
+
+
 class StagingBuffer:
-    """Bounce buffer of at most ``cap_bytes`` for one device, split into two halves."""
+    """Bounce buffer of at most ``cap_bytes`` for one device: per direction, two halves of up to
+    ``cap_bytes // 4``.
+
+    ``min_chunk_bytes`` and ``split`` set how a copy is cut into chunks (see DEFAULT_SPLIT).
+    """
 
     def __init__(self, device: torch.device, cap_bytes: int = DEFAULT_CAP_BYTES, *,
+                 min_chunk_bytes: int = DEFAULT_MIN_CHUNK, split: int = DEFAULT_SPLIT,
                  _test_uncapped: bool = False, _test_delay_s: float = 0.0,
                  _test_skip_half_wait: bool = False):
         device = _normalize(device)
         if device.type not in ("cuda", "cpu"):
             raise ValueError(f"StagingBuffer: unsupported device {device} (cuda or cpu only)")
         if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes <= 0 \
-                or cap_bytes % 2:
-            raise ValueError("StagingBuffer: cap_bytes must be a positive even int (it is split "
-                             f"into two equal halves), got {cap_bytes!r}")
+                or cap_bytes % 4:
+            raise ValueError("StagingBuffer: cap_bytes must be a positive multiple of 4 (it is split "
+                             f"into two directions of two equal halves), got {cap_bytes!r}")
+        if min_chunk_bytes < 1 or split < 1:
+            raise ValueError(f"StagingBuffer: min_chunk_bytes and split must be >= 1, "
+                             f"got {min_chunk_bytes} and {split}")
         self.device = device
         self.cap_bytes = cap_bytes
+        self.min_chunk_bytes = min_chunk_bytes
+        self.split = split
         self._cuda = device.type == "cuda"
         self._test_uncapped = _test_uncapped
         self._test_skip_half_wait = _test_skip_half_wait
-        self._lock = threading.Lock()
-        self._buf: torch.Tensor | None = None
-        self._half = self._peak = 0
-        # the half the next copy starts in: consecutive copies alternate halves, so the host
-        # memcpy of one small copy overlaps the DMA of the one before it
-        self._next = 0
-        self._worker: _CopyWorker | None = None
-        if self._cuda:
-            self._stream = torch.cuda.Stream(device=device)
-            self._events = [torch.cuda.Event(), torch.cuda.Event()]
-        else:
-            self._worker = _CopyWorker(f"kvferry-staging-{device}", _test_delay_s)
-            self._events = [_HostEvent(self._worker), _HostEvent(self._worker)]
-            weakref.finalize(self, self._worker.stop)
+        self._h2d = _Direction(device, "h2d", _test_delay_s)
+        self._d2h = _Direction(device, "d2h", _test_delay_s)
+        self._peak = 0
+        for d in (self._h2d, self._d2h):
+            if d.worker is not None:
+                weakref.finalize(self, d.worker.stop)
 
     def _set_test_delay(self, seconds: float) -> None:
         """Test-only: random sleeps of up to ``seconds`` before each CPU worker copy."""
-        self._worker.delay_s = seconds
+        self._h2d.worker.delay_s = self._d2h.worker.delay_s = seconds
 
     @property
     def pinned_bytes(self) -> int:
         """Bytes this buffer holds now (pinned on CUDA, plain host memory on CPU)."""
-        return 0 if self._buf is None else self._buf.numel()
+        return self._h2d.nbytes + self._d2h.nbytes
 
     @property
     def peak_bytes(self) -> int:
         return self._peak
 
-    def _ensure(self, nbytes: int) -> None:
-        want = nbytes if self._test_uncapped else min(nbytes, self.cap_bytes // 2)
-        half = max(_MIN_HALF, 1 << max(want - 1, 0).bit_length())
+    def _chunk(self, n: int) -> int:
+        """Bytes per chunk for an n-byte copy (the last chunk may be shorter)."""
+        if self._test_uncapped:
+            return n  # test-only variant: the buffer grows to the copy size
+        c = max(self.min_chunk_bytes, -(-n // self.split))
+        c = -(-c // _PAGE) * _PAGE  # whole pages, so chunk starts keep the source's alignment
+        return min(c, n, self.cap_bytes // 4)
+
+    def _ensure(self, d: _Direction, chunk: int) -> None:
+        half = max(_MIN_HALF, 1 << max(chunk - 1, 0).bit_length())
         if not self._test_uncapped:
-            half = min(half, self.cap_bytes // 2)
-        if half <= self._half:
+            half = min(half, self.cap_bytes // 4)
+        if half <= d.half:
             return
-        for ev in self._events:  # a copy still in flight may read or write the old buffer
-            ev.synchronize()
+        d.synchronize()  # a copy still in flight may read or write the old buffer
+        old = d.nbytes
+        d.free()  # before the new one: the cap holds at every moment, not only between copies
         # Grown, never shrunk: the buffer is kept for reuse on purpose (pinning is slow),
-        # bounded by the cap per device. Freed smaller blocks go back to torch's host cache.
-        self._buf = torch.empty(2 * half, dtype=torch.uint8, pin_memory=self._cuda)
-        log.debug("staging %s: buffer %d -> %d bytes (cap %d)",
-                  self.device, 2 * self._half, 2 * half, self.cap_bytes)
-        self._half = half
-        self._peak = max(self._peak, 2 * half)
+        # bounded by the cap per device.
+        d.buf = self._alloc(2 * half, d)
+        d.halves = (d.buf[:half], d.buf[half:])
+        d.half = half
+        log.debug("staging %s: %s halves %d -> %d bytes; %d bytes held (cap %d)",
+                  self.device, "h2d" if d is self._h2d else "d2h", old // 2, half,
+                  self.pinned_bytes, self.cap_bytes)
+        self._peak = max(self._peak, self.pinned_bytes)
 
-    def _check(self, dst, src, dst_dev, src_dev):
-        for t, dev, what in ((dst, dst_dev, "dst"), (src, src_dev, "src")):
-            if t.device != dev:
-                raise ValueError(f"staging copy: {what} is on {t.device}, expected {dev}")
-        if dst.nbytes != src.nbytes:
-            raise ValueError(f"staging copy: size mismatch, src has {src.nbytes} bytes, "
-                             f"dst has {dst.nbytes}")
-        return _flat_bytes(dst, "dst"), _flat_bytes(src, "src")
+    def _alloc(self, nbytes: int, d: _Direction) -> torch.Tensor:
+        if not self._cuda:
+            return torch.empty(nbytes, dtype=torch.uint8)
+        # Pinned in place with cudaHostRegister rather than through torch's pinned allocator:
+        # that allocator keeps freed blocks pinned in its cache, so each growth would leave the
+        # old halves pinned beyond the cap. Page-aligned, so no page is shared with other data.
+        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
+        off = (-raw.data_ptr()) % _PAGE
+        buf = raw[off:off + nbytes]
+        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"staging {self.device}: pinning {nbytes} bytes failed (CUDA error "
+                               f"{int(err)}); lower --staging-cap or raise the locked-memory limit")
+        d.registered = buf.data_ptr()
+        return buf
 
-    def _engine_copy(self, dst: torch.Tensor, src: torch.Tensor, h: int) -> None:
-        """Queue ``dst.copy_(src)`` on the copy engine, then record half ``h``'s event."""
+    def _check(self, pairs, dst_dev, src_dev):
+        flat = []
+        for dst, src in pairs:
+            for t, dev, what in ((dst, dst_dev, "dst"), (src, src_dev, "src")):
+                if t.device != dev:
+                    raise ValueError(f"staging copy: {what} is on {t.device}, expected {dev}")
+            if dst.nbytes != src.nbytes:
+                raise ValueError(f"staging copy: size mismatch, src has {src.nbytes} bytes, "
+                                 f"dst has {dst.nbytes}")
+            if src.nbytes:
+                flat.append((_flat_bytes(dst, "dst"), _flat_bytes(src, "src")))
+        return flat
+
+    def _engine_copy(self, d: _Direction, dst: torch.Tensor, src: torch.Tensor, h: int) -> None:
+        """Queue ``dst.copy_(src)`` on the direction's copy engine (on CUDA the caller has made
+        its stream current), then record half ``h``'s event."""
         if self._cuda:
-            with torch.cuda.stream(self._stream):
-                dst.copy_(src, non_blocking=True)
-            self._events[h].record(self._stream)
+            dst.copy_(src, non_blocking=True)
+            d.events[h].record(d.stream)
         else:
-            self._worker.submit(lambda: dst.copy_(src), is_copy=True)
-            self._events[h].record()
+            d.worker.submit(lambda: dst.copy_(src), is_copy=True)
+            d.events[h].record()
 
-    def _wait_half(self, h: int) -> None:
+    def _wait_half(self, d: _Direction, h: int) -> None:
         if not self._test_skip_half_wait:
-            self._events[h].synchronize()
-
-    def _begin(self) -> None:
-        if self._cuda:  # dst/src may still be used by kernels queued on the caller's stream
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            d.events[h].synchronize()
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
                        synchronize: bool = False) -> None:
@@ -222,67 +301,101 @@ class StagingBuffer:
         until the copy is done. ``src`` may be reused as soon as this returns. On CPU the copy is
         complete on return.
         """
-        d, s = self._check(dst, src, self.device, torch.device("cpu"))
-        n = s.numel()
-        if n == 0:
+        self.copy_all_to_device([(dst, src)], synchronize=synchronize)
+
+    def copy_all_to_device(self, pairs, *, synchronize: bool = False) -> None:
+        """``copy_to_device`` for a list of (dst, src) pairs, taking the lock once: the chunks
+        of all pairs stream through the halves back to back."""
+        flat = self._check(pairs, self.device, torch.device("cpu"))
+        if not flat:
             return
-        with self._lock:
-            self._ensure(n)
-            self._begin()
-            half, buf, h = self._half, self._buf, self._next
-            for off in range(0, n, half):
-                m = min(half, n - off)
-                stage = buf[h * half:h * half + m]
-                self._wait_half(h)  # the half's previous DMA may still be reading it
-                stage.copy_(s[off:off + m])
-                self._engine_copy(d[off:off + m], stage, h)
-                h ^= 1
-            self._next = h
+        d = self._h2d
+        with d.lock:
+            plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
+            self._ensure(d, max(c for _, _, c in plan))
+            h = d.next
             if self._cuda:
-                dst.record_stream(self._stream)
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)
-                if synchronize:
-                    self._stream.synchronize()
+                caller = torch.cuda.current_stream(self.device)
+                d.stream.wait_stream(caller)  # dst may still be used by kernels queued there
+                ctx = torch.cuda.stream(d.stream)
             else:
-                for ev in self._events:
-                    ev.synchronize()
+                ctx = _NULL_CTX
+            with ctx:
+                for dst, src, c in plan:
+                    n = src.numel()
+                    for off in range(0, n, c):
+                        m = min(c, n - off)
+                        stage = d.halves[h][:m]
+                        self._wait_half(d, h)  # the half's previous DMA may still be reading it
+                        stage.copy_(src[off:off + m] if m < n else src)
+                        self._engine_copy(d, dst[off:off + m] if m < n else dst, stage, h)
+                        h ^= 1
+            d.next = h
+            if self._cuda:
+                for dst, _ in flat:
+                    dst.record_stream(d.stream)
+                caller.wait_stream(d.stream)
+                if synchronize:
+                    d.stream.synchronize()
+            else:
+                d.synchronize()
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy device ``src`` into host ``dst`` (pageable); returns when ``dst`` holds all bytes."""
-        d, s = self._check(dst, src, torch.device("cpu"), self.device)
-        n = s.numel()
-        if n == 0:
-            return
-        with self._lock:
-            self._ensure(n)
-            self._begin()
-            half, buf, h = self._half, self._buf, 0
-            pending = None  # (half index, offset, length) of the chunk still to drain
-            for off in range(0, n, half):
-                m = min(half, n - off)
-                self._engine_copy(buf[h * half:h * half + m], s[off:off + m], h)
-                if pending is not None:
-                    self._drain(d, buf, half, *pending)  # overlaps the DMA just queued
-                pending = (h, off, m)
-                h ^= 1
-            self._drain(d, buf, half, *pending)
-            for ev in self._events:  # a skipped half wait must not leave a job writing later
-                ev.synchronize()
+        self.copy_all_to_host([(dst, src)])
 
-    def _drain(self, d, buf, half, h, off, m) -> None:
-        self._wait_half(h)
-        d[off:off + m].copy_(buf[h * half:h * half + m])
+    def copy_all_to_host(self, pairs) -> None:
+        """``copy_to_host`` for a list of (dst, src) pairs, taking the lock once."""
+        flat = self._check(pairs, torch.device("cpu"), self.device)
+        if not flat:
+            return
+        d = self._d2h
+        with d.lock:
+            plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
+            self._ensure(d, max(c for _, _, c in plan))
+            h = 0
+            pending = None  # (half, dst view) of the chunk still to drain
+            if self._cuda:
+                d.stream.wait_stream(torch.cuda.current_stream(self.device))  # src's producers
+                ctx = torch.cuda.stream(d.stream)
+            else:
+                ctx = _NULL_CTX
+            with ctx:
+                for dst, src, c in plan:
+                    n = src.numel()
+                    for off in range(0, n, c):
+                        m = min(c, n - off)
+                        self._engine_copy(d, d.halves[h][:m], src[off:off + m] if m < n else src, h)
+                        if pending is not None:
+                            self._drain(d, *pending)  # overlaps the DMA just queued
+                        pending = (h, dst[off:off + m] if m < n else dst)
+                        h ^= 1
+                self._drain(d, *pending)
+            d.synchronize()  # a skipped half wait must not leave a job writing later
+
+    def _drain(self, d: _Direction, h: int, dst: torch.Tensor) -> None:
+        self._wait_half(d, h)
+        dst.copy_(d.halves[h][:dst.numel()])
 
     def close(self) -> None:
-        """Wait for in-flight copies, free the memory and CPU worker; a later copy starts over."""
-        with self._lock:
-            for ev in self._events:
-                ev.synchronize()
-            self._buf, self._half = None, 0
-            if self._worker is not None:
-                self._worker.stop()
+        """Wait for in-flight copies, free the memory and CPU workers; a later copy starts over."""
+        for d in (self._h2d, self._d2h):
+            with d.lock:
+                d.synchronize()
+                d.free()
+                if d.worker is not None:
+                    d.worker.stop()
 
 
+class _NullCtx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NULL_CTX = _NullCtx()
 _REGISTRY: dict[torch.device, StagingBuffer] = {}
 _REGISTRY_LOCK = threading.Lock()
 
