@@ -311,25 +311,15 @@ class StagingBuffer:
             return
         d = self._h2d
         with d.lock:
-            plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
-            self._ensure(d, max(c for _, _, c in plan))
+            caller, ctx = self._enter(d)
             h = d.next
-            if self._cuda:
-                caller = torch.cuda.current_stream(self.device)
-                d.stream.wait_stream(caller)  # dst may still be used by kernels queued there
-                ctx = torch.cuda.stream(d.stream)
-            else:
-                ctx = _NULL_CTX
             with ctx:
-                for dst, src, c in plan:
-                    n = src.numel()
-                    for off in range(0, n, c):
-                        m = min(c, n - off)
-                        stage = d.halves[h][:m]
-                        self._wait_half(d, h)  # the half's previous DMA may still be reading it
-                        stage.copy_(src[off:off + m] if m < n else src)
-                        self._engine_copy(d, dst[off:off + m] if m < n else dst, stage, h)
-                        h ^= 1
+                for dst, src in self._chunks(d, flat):
+                    stage = d.halves[h][:src.numel()]
+                    self._wait_half(d, h)  # the half's previous DMA may still be reading it
+                    stage.copy_(src)
+                    self._engine_copy(d, dst, stage, h)
+                    h ^= 1
             d.next = h
             if self._cuda:
                 for dst, _ in flat:
@@ -351,27 +341,40 @@ class StagingBuffer:
             return
         d = self._d2h
         with d.lock:
-            plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
-            self._ensure(d, max(c for _, _, c in plan))
+            _, ctx = self._enter(d)
             h = 0
             pending = None  # (half, dst view) of the chunk still to drain
-            if self._cuda:
-                d.stream.wait_stream(torch.cuda.current_stream(self.device))  # src's producers
-                ctx = torch.cuda.stream(d.stream)
-            else:
-                ctx = _NULL_CTX
             with ctx:
-                for dst, src, c in plan:
-                    n = src.numel()
-                    for off in range(0, n, c):
-                        m = min(c, n - off)
-                        self._engine_copy(d, d.halves[h][:m], src[off:off + m] if m < n else src, h)
-                        if pending is not None:
-                            self._drain(d, *pending)  # overlaps the DMA just queued
-                        pending = (h, dst[off:off + m] if m < n else dst)
-                        h ^= 1
+                for dst, src in self._chunks(d, flat):
+                    self._engine_copy(d, d.halves[h][:src.numel()], src, h)
+                    if pending is not None:
+                        self._drain(d, *pending)  # overlaps the DMA just queued
+                    pending = (h, dst)
+                    h ^= 1
                 self._drain(d, *pending)
             d.synchronize()  # a skipped half wait must not leave a job writing later
+
+    def _enter(self, d: _Direction):
+        """Make ``d``'s stream wait for the caller's (whose kernels may still use the tensors);
+        returns the caller's stream and a context that makes ``d``'s current (None and a no-op
+        context on CPU)."""
+        if not self._cuda:
+            return None, _NULL_CTX
+        caller = torch.cuda.current_stream(self.device)
+        d.stream.wait_stream(caller)
+        return caller, torch.cuda.stream(d.stream)
+
+    def _chunks(self, d: _Direction, flat):
+        """Size ``d``'s halves for these pairs, then yield (dst, src) views chunk by chunk."""
+        plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
+        self._ensure(d, max(c for _, _, c in plan))
+        for dst, src, c in plan:
+            n = src.numel()
+            if c >= n:
+                yield dst, src
+                continue
+            for off in range(0, n, c):  # the last slice is clipped to the end
+                yield dst[off:off + c], src[off:off + c]
 
     def _drain(self, d: _Direction, h: int, dst: torch.Tensor) -> None:
         self._wait_half(d, h)
