@@ -17,3 +17,6 @@ for r in json.load(open(sys.argv[1])):
     print(f"pin {r['pin']} kvpd {r['kvpd']}: {r['tps']} tok/s, {r['pct_bound']}% of bound, pinned {r['pinned_mib']} MiB, same {r['same']}")
 PY
 python3 benchmarks/load_peak.py --device cuda --out "$OUT" 2> "$OUT/load_peak.log"; echo "load_peak rc=$?"
+# exactness on CUDA, pageable among the placements (8B shape, 4 layers)
+python3 benchmarks/gpu_gates.py --random-weights llama3-8b --layers 4 --prompt-len 300 --ctx 1024 --chunk 128 \
+  --out "$OUT" > "$OUT/gates.txt" 2>&1; echo "gates rc=$?"; tail -1 "$OUT/gates.txt"; grep ^FAIL "$OUT/gates.txt"

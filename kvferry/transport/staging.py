@@ -258,7 +258,12 @@ class StagingBuffer:
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
         off = (-raw.data_ptr()) % _PAGE
         buf = raw[off:off + nbytes]
-        err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), nbytes, 0)
+        register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
+        if register is None:  # a build without the binding: torch's allocator, growth leaves blocks cached
+            log.warning("staging %s: cudaHostRegister is not available, pinning through torch's "
+                        "host allocator", self.device)
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        err = register(buf.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"staging {self.device}: pinning {nbytes} bytes failed (CUDA error "
                                f"{int(err)}); lower --staging-cap or raise the locked-memory limit")
