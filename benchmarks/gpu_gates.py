@@ -105,11 +105,13 @@ def main():
                     steps += 8 * (n - 1)
             check(">= 1000 delayed decode steps in all", steps >= 1000, steps=steps)
             neg = a.neg_delay_ms * 1e-3
-            for broken, delay, steps_n in (("_unsafe_skip_ready", (2e-4, neg), 24), ("_unsafe_early_recycle", (2e-4, neg), 24),
+            # skip_ready gets longer delays: with large layers (an 8B shape) compute alone can
+            # outlast a 1 ms copy delay, and a late copy must be likely for the control to bite
+            for broken, delay, steps_n in (("_unsafe_skip_ready", (neg, 5 * neg), 24), ("_unsafe_early_recycle", (2e-4, neg), 24),
                                            ("_unsafe_skip_writeback_wait", {1: (10 * neg, 20 * neg)}, 6)):
                 eng = engine(8, offload=True, depth=2)
                 caught = False
-                for seed in range(3):
+                for seed in range(5):
                     old = eng.cache
                     eng.cache = HostKVCache(eng.kv_spec, eng.cfg.kv, eng.device, eng.dtype, progress=False,
                                             _delay_s=delay, _seed=seed, **{broken: True})

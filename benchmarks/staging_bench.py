@@ -133,6 +133,10 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="timed runs per point (median kept)")
     ap.add_argument("--cap-mib", type=int, default=64, help="staging buffer cap in MiB")
     ap.add_argument("--stream-mib", type=int, default=512, help="bytes per stream measurement")
+    ap.add_argument("--min-chunk-mib", type=float, default=None, help="staging minimum chunk (default: the library's)")
+    ap.add_argument("--split", type=int, default=None, help="staging split (default: the library's)")
+    ap.add_argument("--h2d-share", type=float, default=None, help="cap share of host-to-device halves (default: the library's)")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (the host memcpy runs on them)")
     ap.add_argument("--sweep-min-chunk-mib", default="", help="comma list: also time these minimum chunk sizes")
     ap.add_argument("--sweep-split", default="", help="comma list: also time these split counts")
     ap.add_argument("--sweep-sizes-mib", default="1,4,16,64", help="copy sizes for the sweep")
@@ -148,7 +152,11 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda", torch.cuda.current_device())
     b = Buffers(sizes[-1], dev)
-    staging = StagingBuffer(dev, args.cap_mib * MIB)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    knobs = {k: v for k, v in (("min_chunk_bytes", None if args.min_chunk_mib is None else int(args.min_chunk_mib * MIB)),
+                               ("split", args.split), ("h2d_share", args.h2d_share)) if v is not None}
+    staging = StagingBuffer(dev, args.cap_mib * MIB, **knobs)
     stream_bytes = args.stream_mib * MIB
 
     rows = []
@@ -160,7 +168,7 @@ def main() -> int:
     if mins or splits:
         for mc in mins or [staging.min_chunk_bytes]:
             for sp in splits or [staging.split]:
-                st = StagingBuffer(dev, args.cap_mib * MIB, min_chunk_bytes=mc, split=sp)
+                st = StagingBuffer(dev, args.cap_mib * MIB, **{**knobs, "min_chunk_bytes": mc, "split": sp})
                 for m in [int(x) for x in args.sweep_sizes_mib.split(",")]:
                     r = measure_size(b, m * MIB, st, args.reps, stream_bytes,
                                      f"sweep min {mc / MIB:g} MiB split {sp}: {m} MiB", plain=False)
@@ -172,6 +180,7 @@ def main() -> int:
         "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
         "host_threads": torch.get_num_threads(), "reps": args.reps, "stream_bytes": stream_bytes,
         "cap_bytes": staging.cap_bytes, "min_chunk_bytes": staging.min_chunk_bytes, "split": staging.split,
+        "h2d_share": staging.h2d_share,
         "staging_peak_bytes": staging.peak_bytes, "staging_pinned_bytes": staging.pinned_bytes,
         "timing": "wall clock between device syncs for every path; event_h2d_pinned: CUDA events",
     }

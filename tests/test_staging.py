@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvferry.transport.staging import (
+    DEFAULT_H2D_SHARE,
     StagingBuffer,
     get_staging,
     release_staging,
@@ -121,7 +122,22 @@ def test_small_copy_does_not_allocate_the_cap():
 def test_one_direction_grows_alone():
     buf = StagingBuffer(CPU, CAP)
     buf.copy_to_device(torch.zeros(3 * CAP, dtype=torch.uint8), _random_bytes(3 * CAP, 4))
-    assert buf.pinned_bytes == CAP // 2  # only the host-to-device halves exist
+    assert buf.pinned_bytes == 2 * buf._half_cap(buf._h2d)  # only the host-to-device halves exist
+    assert buf.pinned_bytes == 2 * (int(CAP * DEFAULT_H2D_SHARE) // 2)
+
+
+@pytest.mark.parametrize("share", [0.25, 0.5, 0.75, 0.9])
+def test_direction_shares_stay_within_the_cap(share):
+    buf = StagingBuffer(CPU, CAP, h2d_share=share)
+    h2d, d2h = buf._half_cap(buf._h2d), buf._half_cap(buf._d2h)
+    assert 2 * (h2d + d2h) <= CAP and h2d > 0 and d2h > 0
+    assert _round_trip(buf, 2 * CAP + 12_345, seed=41)  # both directions, checks the cap too
+
+
+@pytest.mark.parametrize("share", [0.0, 1.0, -0.5, 2])
+def test_bad_share_is_refused(share):
+    with pytest.raises(ValueError, match="h2d_share"):
+        StagingBuffer(CPU, CAP, h2d_share=share)
 
 
 def test_uncapped_variant_is_caught():
@@ -135,7 +151,7 @@ def test_uncapped_variant_is_caught():
 
 @pytest.mark.parametrize("direction", ["to_device", "to_host"])
 def test_half_wait_is_what_keeps_data_intact(direction):
-    n = 8 * 4096 + 77  # 17 chunks through the 2 KiB halves of each direction
+    n = 8 * 4096 + 77  # many chunks through the small halves of each direction
 
     def trip(skip: bool, seed: int) -> bool:
         buf = StagingBuffer(CPU, 8192, _test_delay_s=0.002, _test_skip_half_wait=skip)
@@ -208,11 +224,11 @@ def test_copies_smaller_than_a_half_are_split_into_chunks():
     # 40,000 bytes fit in one 64 KiB half, yet go through in `split` page-sized chunks so the
     # memcpy of one overlaps the DMA of the one before; the halves are only a chunk large.
     buf = StagingBuffer(CPU, 1 << 20, min_chunk_bytes=4096, split=4)
-    assert buf._chunk(40_000) == 12_288 and buf._chunk(4096) == 4096
+    assert buf._chunk(40_000, buf._h2d) == 12_288 and buf._chunk(4096, buf._h2d) == 4096
     assert _round_trip(buf, 40_000, seed=31)
     assert buf.pinned_bytes == 2 * 2 * 16_384
     big = StagingBuffer(CPU, 1 << 20)  # default minimum chunk: a small copy is one chunk
-    assert big._chunk(40_000) == 40_000 and big._chunk(10 << 20) == (1 << 20) // 4
+    assert big._chunk(40_000, big._h2d) == 40_000 and big._chunk(10 << 20, big._h2d) == big._half_cap(big._h2d) == (3 << 20) // 8
 
 
 def test_split_chunks_need_the_half_wait_too():

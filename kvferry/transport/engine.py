@@ -155,6 +155,11 @@ class ThreadCopyEngine(CopyEngine):
         self._pending = 0
         self._cv = threading.Condition()
         self._error: BaseException | None = None
+        # diagnostics (benchmarks/pageable_probe.py): per lane, seconds busy on a job and seconds
+        # of that spent waiting for its events; the compute thread's seconds waiting for copies
+        self.lane_busy_s = [0.0, 0.0]
+        self.lane_wait_s = [0.0, 0.0]
+        self.compute_wait_s = 0.0
         self._workers = [threading.Thread(target=self._run, args=(lane,), name=f"kvferry-copy{lane}", daemon=True)
                          for lane in range(2)]
         for w in self._workers:
@@ -183,6 +188,7 @@ class ThreadCopyEngine(CopyEngine):
                         for ev, g in gens:
                             ev.wait_host(g)  # recorded (not finished) on its stream
                             stream.wait_event(ev.cuda)
+                        self.lane_wait_s[lane] += time.perf_counter() - t0
                         self.copy_fn(jobs, lane)
                         for t in keep:
                             t.record_stream(stream)
@@ -194,7 +200,9 @@ class ThreadCopyEngine(CopyEngine):
                     if self.delay_s and lane in self.delay_s:
                         time.sleep(rng.uniform(*self.delay_s[lane]))
                     self.copy_fn(jobs, lane)
-                self.copy_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.copy_s += dt
+                self.lane_busy_s[lane] += dt
             except BaseException as e:  # surfaced on the next call from the main thread
                 self._error = e
             finally:
@@ -210,7 +218,9 @@ class ThreadCopyEngine(CopyEngine):
             raise e
 
     def compute_wait(self, ev):
+        t0 = time.perf_counter()
         ev.wait_host(ev.armed)
+        self.compute_wait_s += time.perf_counter() - t0
         if ev.cuda is not None:
             torch.cuda.current_stream(self.device).wait_event(ev.cuda)
         self._raise()

@@ -30,6 +30,7 @@ ring's size does not grow with the context.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -44,6 +45,9 @@ from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngin
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 HEADROOM_BYTES = 1 << 30  # keep this much device memory free beyond the ring (activations)
+
+
+STAGED_SWITCH_S = 2e-4  # thread switch interval while staged copies run (see _make_engine)
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,14 @@ class HostKVCache(KVCache):
             return ThreadCopyEngine(self.device, delay_s, seed)
         from kvferry.transport.staging import get_staging
         staging = get_staging(self.device, self.kv.staging_cap_mib * MiB)
+        if self.device.type == "cuda" and sys.getswitchinterval() > STAGED_SWITCH_S:
+            # The copy threads take the GIL back several times per chunk (after each memcpy,
+            # launch and event wait) while the decode thread runs Python; at CPython's default
+            # 5 ms switch interval a busy decode thread keeps it that long each time. Measured
+            # on the H200 (docs/results.md, issue 4). Process-wide, so it is logged.
+            log.info("pageable host KV on %s: Python thread switch interval %.1f -> %.1f ms",
+                     self.device, sys.getswitchinterval() * 1e3, STAGED_SWITCH_S * 1e3)
+            sys.setswitchinterval(STAGED_SWITCH_S)
 
         def staged(jobs, lane):  # lane 0 deliveries, lane 1 write-backs
             if lane == 0:

@@ -36,11 +36,17 @@ DEFAULT_CAP_BYTES = 64 << 20
 _MIN_HALF = 4096  # smaller halves only add per-chunk overhead; page size keeps halves aligned
 _PAGE = 4096
 # A copy is cut into at least DEFAULT_SPLIT chunks of at least DEFAULT_MIN_CHUNK bytes (and
-# at most a half), so the memcpy of chunk k + 1 overlaps the DMA of chunk k even when the
-# whole copy would fit in one half; below DEFAULT_MIN_CHUNK the per-chunk host cost (tens of
-# microseconds of launches) would outweigh the overlap. Measured on the H200: docs/results.md.
-DEFAULT_MIN_CHUNK = 2 << 20
+# at most a half), so the memcpy of chunk k + 1 overlaps the DMA of chunk k; consecutive copies
+# continue the alternation. Chunks are large on purpose: on the H200 machine each chunk costs
+# the copy thread several GIL hand-overs and tens of microseconds of launches, and the host
+# memcpy runs faster per byte on big blocks; 16-24 MiB chunks more than halved the pageable
+# decode step against 4 MiB ones (docs/results.md, issue 4).
+DEFAULT_MIN_CHUNK = 16 << 20
 DEFAULT_SPLIT = 4
+# Share of the cap for the host-to-device halves (24 MiB each of the default 64 MiB), the rest
+# device to host (8 MiB halves): deliveries carry the bulk of the bytes (a whole context per
+# decode step), write-backs a few rows.
+DEFAULT_H2D_SHARE = 0.75
 
 
 class _HostEvent:
@@ -149,6 +155,8 @@ class _Direction:
         # the half the next copy starts in: consecutive copies alternate halves, so the host
         # memcpy of one small copy overlaps the DMA of the one before it
         self.next = 0
+        # host-side accounting (stats()): where a copy's time goes on the calling thread
+        self.counts = dict(copies=0, chunks=0, bytes=0, wait_s=0.0, memcpy_s=0.0, issue_s=0.0)
         self.worker: _CopyWorker | None = None
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
@@ -175,14 +183,15 @@ class _Direction:
 
 
 class StagingBuffer:
-    """Bounce buffer of at most ``cap_bytes`` for one device: per direction, two halves of up to
-    ``cap_bytes // 4``.
+    """Bounce buffer of at most ``cap_bytes`` for one device: per direction, two halves; host to
+    device gets ``h2d_share`` of the cap, device to host the rest.
 
     ``min_chunk_bytes`` and ``split`` set how a copy is cut into chunks (see DEFAULT_SPLIT).
     """
 
     def __init__(self, device: torch.device, cap_bytes: int = DEFAULT_CAP_BYTES, *,
                  min_chunk_bytes: int = DEFAULT_MIN_CHUNK, split: int = DEFAULT_SPLIT,
+                 h2d_share: float = DEFAULT_H2D_SHARE,
                  _test_uncapped: bool = False, _test_delay_s: float = 0.0,
                  _test_skip_half_wait: bool = False):
         device = _normalize(device)
@@ -197,11 +206,15 @@ class StagingBuffer:
                              f"got {min_chunk_bytes} and {split}")
         self.device = device
         self.cap_bytes = cap_bytes
+        if not 0.0 < h2d_share < 1.0:
+            raise ValueError(f"StagingBuffer: h2d_share must be in (0, 1), got {h2d_share}")
         self.min_chunk_bytes = min_chunk_bytes
+        self.h2d_share = h2d_share
         self.split = split
         self._cuda = device.type == "cuda"
         self._test_uncapped = _test_uncapped
         self._test_skip_half_wait = _test_skip_half_wait
+        self._poll_s: float | None = None
         self._h2d = _Direction(device, "h2d", _test_delay_s)
         self._d2h = _Direction(device, "d2h", _test_delay_s)
         self._peak = 0
@@ -222,18 +235,23 @@ class StagingBuffer:
     def peak_bytes(self) -> int:
         return self._peak
 
-    def _chunk(self, n: int) -> int:
-        """Bytes per chunk for an n-byte copy (the last chunk may be shorter)."""
+    def _half_cap(self, d: _Direction) -> int:
+        """Largest half of direction ``d``: host to device gets ``h2d_share`` of the cap."""
+        h2d = int(self.cap_bytes * self.h2d_share) // 2
+        return h2d if d is self._h2d else (self.cap_bytes - 2 * h2d) // 2
+
+    def _chunk(self, n: int, d: _Direction) -> int:
+        """Bytes per chunk for an n-byte copy in direction d (the last chunk may be shorter)."""
         if self._test_uncapped:
             return n  # test-only variant: the buffer grows to the copy size
         c = max(self.min_chunk_bytes, -(-n // self.split))
         c = -(-c // _PAGE) * _PAGE  # whole pages, so chunk starts keep the source's alignment
-        return min(c, n, self.cap_bytes // 4)
+        return min(c, n, self._half_cap(d))
 
     def _ensure(self, d: _Direction, chunk: int) -> None:
         half = max(_MIN_HALF, 1 << max(chunk - 1, 0).bit_length())
         if not self._test_uncapped:
-            half = min(half, self.cap_bytes // 4)
+            half = min(half, self._half_cap(d))
         if half <= d.half:
             return
         d.synchronize()  # a copy still in flight may read or write the old buffer
@@ -294,8 +312,13 @@ class StagingBuffer:
             d.events[h].record()
 
     def _wait_half(self, d: _Direction, h: int) -> None:
-        if not self._test_skip_half_wait:
-            d.events[h].synchronize()
+        if self._test_skip_half_wait:
+            return
+        ev = d.events[h]
+        if self._poll_s is not None:  # diagnostic: yield the core instead of a driver spin-wait
+            while not ev.query():
+                time.sleep(self._poll_s)
+        ev.synchronize()
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, *,
                        synchronize: bool = False) -> None:
@@ -318,13 +341,23 @@ class StagingBuffer:
         with d.lock:
             caller, ctx = self._enter(d)
             h = d.next
+            c = d.counts
             with ctx:
                 for dst, src in self._chunks(d, flat):
                     stage = d.halves[h][:src.numel()]
+                    t0 = time.perf_counter()
                     self._wait_half(d, h)  # the half's previous DMA may still be reading it
+                    t1 = time.perf_counter()
                     stage.copy_(src)
+                    t2 = time.perf_counter()
                     self._engine_copy(d, dst, stage, h)
+                    c["wait_s"] += t1 - t0
+                    c["memcpy_s"] += t2 - t1
+                    c["issue_s"] += time.perf_counter() - t2
+                    c["chunks"] += 1
                     h ^= 1
+            c["copies"] += 1
+            c["bytes"] += sum(src.numel() for _, src in flat)
             d.next = h
             if self._cuda:
                 for dst, _ in flat:
@@ -349,15 +382,21 @@ class StagingBuffer:
             _, ctx = self._enter(d)
             h = 0
             pending = None  # (half, dst view) of the chunk still to drain
+            c = d.counts
             with ctx:
                 for dst, src in self._chunks(d, flat):
+                    t0 = time.perf_counter()
                     self._engine_copy(d, d.halves[h][:src.numel()], src, h)
+                    c["issue_s"] += time.perf_counter() - t0
+                    c["chunks"] += 1
                     if pending is not None:
                         self._drain(d, *pending)  # overlaps the DMA just queued
                     pending = (h, dst)
                     h ^= 1
                 self._drain(d, *pending)
             d.synchronize()  # a skipped half wait must not leave a job writing later
+            c["copies"] += 1
+            c["bytes"] += sum(src.numel() for _, src in flat)
 
     def _enter(self, d: _Direction):
         """Make ``d``'s stream wait for the caller's (whose kernels may still use the tensors);
@@ -371,7 +410,7 @@ class StagingBuffer:
 
     def _chunks(self, d: _Direction, flat):
         """Size ``d``'s halves for these pairs, then yield (dst, src) views chunk by chunk."""
-        plan = [(dst, src, self._chunk(src.numel())) for dst, src in flat]
+        plan = [(dst, src, self._chunk(src.numel(), d)) for dst, src in flat]
         self._ensure(d, max(c for _, _, c in plan))
         for dst, src, c in plan:
             n = src.numel()
@@ -382,8 +421,24 @@ class StagingBuffer:
                 yield dst[off:off + c], src[off:off + c]
 
     def _drain(self, d: _Direction, h: int, dst: torch.Tensor) -> None:
+        t0 = time.perf_counter()
         self._wait_half(d, h)
+        t1 = time.perf_counter()
         dst.copy_(d.halves[h][:dst.numel()])
+        d.counts["wait_s"] += t1 - t0
+        d.counts["memcpy_s"] += time.perf_counter() - t1
+
+    def stats(self) -> dict:
+        """Per direction: copies, chunks, bytes, and the calling thread's seconds waiting for a
+        half (the copy engine is behind), in the host memcpy, and issuing DMAs and events. A
+        memcpy rate (bytes / memcpy_s) well below the link's says the host side is the limit."""
+        out = {}
+        for name, d in (("h2d", self._h2d), ("d2h", self._d2h)):
+            with d.lock:
+                c = dict(d.counts)
+            c["memcpy_gbps"] = round(c["bytes"] / c["memcpy_s"] / 1e9, 2) if c["memcpy_s"] else None
+            out[name] = c
+        return out
 
     def close(self) -> None:
         """Wait for in-flight copies, free the memory and CPU workers; a later copy starts over."""
