@@ -8,7 +8,7 @@ nproc; grep -m1 "model name" /proc/cpuinfo; python3 -c "import torch; print(torc
 python3 -m pytest -q -p no:cacheprovider tests/test_staging.py 2>&1 | tail -2
 python3 benchmarks/host_copy_probe.py | tee "$OUT/host_copy.md"
 # where a pageable decode step's time goes (8 layers of the 8B shape at 16k), knobs around the defaults
-python3 benchmarks/pageable_probe.py --out "$OUT/probe" --variants "default:;sw5:switch=0.005;c8:min_mib=8;t8:threads=8;t12:threads=12;default2:" \
+python3 benchmarks/pageable_probe.py --out "$OUT/probe" --variants "default:;sw5:switch=0.005;t12:threads=12;default2:" \
   -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd 2 --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
 sweep=""; [ "${1:-}" = quick ] || sweep="--sweep-min-chunk-mib 4,16 --sweep-split 1,4 --sweep-sizes-mib 4,16,64,256"
 python3 benchmarks/staging_bench.py --out "$OUT" $sweep 2> "$OUT/staging.log"; echo "staging rc=$?"

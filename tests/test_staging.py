@@ -315,3 +315,44 @@ def test_cuda_round_trip_is_ordered_with_the_callers_stream(cap, n_of_cap, side_
         assert torch.equal(back_outer[:OFF], back_before[:OFF])
         assert torch.equal(back_outer[OFF + n:], back_before[OFF + n:])
     _assert_capped(buf)
+
+
+@cuda_only
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_cuda_event_ordered_copies_wait_and_record(direction):
+    # The transport's path: the copy waits for an event recorded on another stream (not for
+    # the caller's stream) and records an event the consumer waits on. Negative control: the
+    # same copy without the wait reads or overwrites too early and the data is wrong.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 3 * (8 << 20) + 12_345  # several chunks
+    producer = torch.cuda.Stream(dev)
+
+    def trip(with_wait: bool) -> bool:
+        buf = StagingBuffer(dev, 16 << 20, min_chunk_bytes=1 << 20)
+        src = _random_bytes(n, seed=51)
+        ready, done = torch.cuda.Event(), torch.cuda.Event()
+        if direction == "to_device":
+            d = torch.zeros(n, dtype=torch.uint8, device=dev)
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(200_000_000)
+                d.fill_(7)  # work on the destination that the copy must come after
+                ready.record(producer)
+            buf.copy_all_to_device([(d, src)], waits=[ready] if with_wait else [], record=done)
+            torch.cuda.current_stream(dev).wait_event(done)
+            ok = torch.equal(d.cpu(), src)
+        else:
+            d = src.to(dev)
+            with torch.cuda.stream(producer):
+                torch.cuda._sleep(200_000_000)
+                d.add_(1)  # the rows the copy must read only once written
+                ready.record(producer)
+            back = torch.zeros(n, dtype=torch.uint8)
+            buf.copy_all_to_host([(back, d)], waits=[ready] if with_wait else [], record=done)
+            done.synchronize()
+            ok = torch.equal(back, src + 1)
+        torch.cuda.synchronize(dev)
+        buf.close()
+        return ok
+
+    assert trip(True)
+    assert not trip(False), "a copy without the event wait went unnoticed"

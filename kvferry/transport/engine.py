@@ -145,12 +145,19 @@ def _plain_copies(jobs, lane):
 
 
 class ThreadCopyEngine(CopyEngine):
-    def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None):
+    def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None,
+                 events_fn: Callable | None = None, fence_fn: Callable | None = None):
         super().__init__(device, delay_s, seed)
         cuda = device.type == "cuda"
         self.streams = [torch.cuda.Stream(device) if cuda else None for _ in range(2)]
-        # copy_fn(jobs, lane) runs one copy() call's jobs; the default copies them one by one
+        # copy_fn(jobs, lane) runs one copy() call's jobs on the lane's stream; the default
+        # copies them one by one. events_fn(jobs, lane, waits, record, keep) instead orders the
+        # copies itself: CUDA events to wait for before, one to record after, tensors to mark
+        # as used (None, None, () on CPU, where the host waits come first); fence_fn then
+        # waits for what it queued.
         self.copy_fn = copy_fn or _plain_copies
+        self.events_fn = events_fn
+        self.fence_fn = fence_fn
         self._queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self._pending = 0
         self._cv = threading.Condition()
@@ -183,7 +190,12 @@ class ThreadCopyEngine(CopyEngine):
             jobs, gens, sig, keep = item
             try:
                 t0 = time.perf_counter()
-                if stream is not None:
+                if stream is not None and self.events_fn is not None:
+                    for ev, g in gens:
+                        ev.wait_host(g)  # recorded (not finished) on its stream
+                    self.lane_wait_s[lane] += time.perf_counter() - t0
+                    self.events_fn(jobs, lane, [ev.cuda for ev, _ in gens], sig[0].cuda if sig else None, keep)
+                elif stream is not None:
                     with torch.cuda.stream(stream):
                         for ev, g in gens:
                             ev.wait_host(g)  # recorded (not finished) on its stream
@@ -199,7 +211,10 @@ class ThreadCopyEngine(CopyEngine):
                         ev.wait_host(g)
                     if self.delay_s and lane in self.delay_s:
                         time.sleep(rng.uniform(*self.delay_s[lane]))
-                    self.copy_fn(jobs, lane)
+                    if self.events_fn is not None:
+                        self.events_fn(jobs, lane, None, None, ())
+                    else:
+                        self.copy_fn(jobs, lane)
                 dt = time.perf_counter() - t0
                 self.copy_s += dt
                 self.lane_busy_s[lane] += dt
@@ -238,6 +253,8 @@ class ThreadCopyEngine(CopyEngine):
         for st in self.streams:
             if st is not None:
                 st.synchronize()
+        if self.fence_fn is not None:
+            self.fence_fn()
         self._raise()
 
     def close(self):

@@ -149,12 +149,11 @@ class HostKVCache(KVCache):
                      self.device, sys.getswitchinterval() * 1e3, STAGED_SWITCH_S * 1e3)
             sys.setswitchinterval(STAGED_SWITCH_S)
 
-        def staged(jobs, lane):  # lane 0 deliveries, lane 1 write-backs
-            if lane == 0:
-                staging.copy_all_to_device(jobs)
-            else:
-                staging.copy_all_to_host(jobs)
-        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged)
+        def staged(jobs, lane, waits, record, keep):  # lane 0 deliveries, lane 1 write-backs
+            # the staging streams wait for and record the transport's events themselves
+            copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
+            copy(jobs, waits=waits, record=record, keep=keep)
+        return ThreadCopyEngine(self.device, delay_s, seed, events_fn=staged, fence_fn=staging.synchronize)
 
     def _alloc_host(self, progress):
         spec = self.spec

@@ -331,15 +331,22 @@ class StagingBuffer:
         """
         self.copy_all_to_device([(dst, src)], synchronize=synchronize)
 
-    def copy_all_to_device(self, pairs, *, synchronize: bool = False) -> None:
+    def copy_all_to_device(self, pairs, *, synchronize: bool = False, waits=None, record=None,
+                           keep=()) -> None:
         """``copy_to_device`` for a list of (dst, src) pairs, taking the lock once: the chunks
-        of all pairs stream through the halves back to back."""
+        of all pairs stream through the halves back to back.
+
+        CUDA only, for a copy engine that orders copies by events (the pageable host KV cache):
+        ``waits`` (CUDA events) replace the wait for the caller's stream, ``record`` (a CUDA
+        event) is recorded after the last DMA in place of making the caller's stream wait, and
+        ``keep`` tensors are marked as used by the copy stream. Each saves the copy thread
+        stream switches and event allocations per call."""
         flat = self._check(pairs, self.device, torch.device("cpu"))
-        if not flat:
+        if not flat and record is None:
             return
         d = self._h2d
         with d.lock:
-            caller, ctx = self._enter(d)
+            caller, ctx = self._enter(d, waits)
             h = d.next
             c = d.counts
             with ctx:
@@ -360,9 +367,7 @@ class StagingBuffer:
             c["bytes"] += sum(src.numel() for _, src in flat)
             d.next = h
             if self._cuda:
-                for dst, _ in flat:
-                    dst.record_stream(d.stream)
-                caller.wait_stream(d.stream)
+                self._leave(d, [dst for dst, _ in flat], caller, record, keep)
                 if synchronize:
                     d.stream.synchronize()
             else:
@@ -372,14 +377,19 @@ class StagingBuffer:
         """Copy device ``src`` into host ``dst`` (pageable); returns when ``dst`` holds all bytes."""
         self.copy_all_to_host([(dst, src)])
 
-    def copy_all_to_host(self, pairs) -> None:
-        """``copy_to_host`` for a list of (dst, src) pairs, taking the lock once."""
+    def copy_all_to_host(self, pairs, *, waits=None, record=None, keep=()) -> None:
+        """``copy_to_host`` for a list of (dst, src) pairs, taking the lock once; ``waits``,
+        ``record`` and ``keep`` as in ``copy_all_to_device`` (``record`` marks the device
+        tensors as read)."""
         flat = self._check(pairs, torch.device("cpu"), self.device)
-        if not flat:
+        if not flat and record is None:
             return
         d = self._d2h
         with d.lock:
-            _, ctx = self._enter(d)
+            caller, ctx = self._enter(d, waits)
+            if not flat:
+                self._leave(d, [], caller, record, keep)
+                return
             h = 0
             pending = None  # (half, dst view) of the chunk still to drain
             c = d.counts
@@ -394,19 +404,37 @@ class StagingBuffer:
                     pending = (h, dst)
                     h ^= 1
                 self._drain(d, *pending)
+            if self._cuda and (record is not None or keep):
+                self._leave(d, [], None, record, keep)
             d.synchronize()  # a skipped half wait must not leave a job writing later
             c["copies"] += 1
             c["bytes"] += sum(src.numel() for _, src in flat)
 
-    def _enter(self, d: _Direction):
-        """Make ``d``'s stream wait for the caller's (whose kernels may still use the tensors);
-        returns the caller's stream and a context that makes ``d``'s current (None and a no-op
+    def _enter(self, d: _Direction, waits=None):
+        """Make ``d``'s stream wait for ``waits`` (CUDA events) or, when None, for the caller's
+        stream (whose kernels may still use the tensors); returns the caller's stream (None
+        when waits are given) and a context that makes ``d``'s current (None and a no-op
         context on CPU)."""
         if not self._cuda:
             return None, _NULL_CTX
-        caller = torch.cuda.current_stream(self.device)
-        d.stream.wait_stream(caller)
+        if waits is not None:
+            for ev in waits:
+                d.stream.wait_event(ev)
+            caller = None
+        else:
+            caller = torch.cuda.current_stream(self.device)
+            d.stream.wait_stream(caller)
         return caller, torch.cuda.stream(d.stream)
+
+    def _leave(self, d: _Direction, used, caller, record, keep) -> None:
+        """After the last DMA of a copy: mark device tensors as used by ``d``'s stream, then
+        record ``record`` or make the caller's stream wait."""
+        for t in (*used, *keep):
+            t.record_stream(d.stream)
+        if record is not None:
+            record.record(d.stream)
+        elif caller is not None:
+            caller.wait_stream(d.stream)
 
     def _chunks(self, d: _Direction, flat):
         """Size ``d``'s halves for these pairs, then yield (dst, src) views chunk by chunk."""
@@ -439,6 +467,13 @@ class StagingBuffer:
             c["memcpy_gbps"] = round(c["bytes"] / c["memcpy_s"] / 1e9, 2) if c["memcpy_s"] else None
             out[name] = c
         return out
+
+    def synchronize(self) -> None:
+        """Block until every copy queued on this buffer's streams (or CPU workers) is done."""
+        for d in (self._h2d, self._d2h):
+            if d.stream is not None:
+                d.stream.synchronize()
+            d.synchronize()
 
     def close(self) -> None:
         """Wait for in-flight copies, free the memory and CPU workers; a later copy starts over."""
