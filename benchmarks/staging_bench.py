@@ -160,6 +160,9 @@ def main() -> int:
     stream_bytes = args.stream_mib * MIB
 
     rows = []
+    # warm-up, discarded: the first copies of a process pay one-off costs (the context's first
+    # pinned registrations, allocator growth) that are no property of any size
+    measure_size(b, sizes[0], staging, 2, stream_bytes, "warm-up")
     for i, n in enumerate(sizes):
         rows.append(measure_size(b, n, staging, args.reps, stream_bytes, f"[{i + 1}/{len(sizes)}] {n / MIB:.0f} MiB"))
     sweep = []

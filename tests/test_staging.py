@@ -356,3 +356,31 @@ def test_cuda_event_ordered_copies_wait_and_record(direction):
 
     assert trip(True)
     assert not trip(False), "a copy without the event wait went unnoticed"
+
+
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_empty_event_ordered_copy_is_a_no_op_on_cpu(direction):
+    # A delivery unit with no stable rows still goes through the copy call (it must record its
+    # event on CUDA); on any device an empty list must not fail.
+    buf = StagingBuffer(CPU, CAP)
+    copy = buf.copy_all_to_device if direction == "to_device" else buf.copy_all_to_host
+    copy([], waits=None, record=None)
+    copy([(torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.uint8))])
+    assert buf.pinned_bytes == 0
+
+
+@cuda_only
+@pytest.mark.parametrize("direction", ["to_device", "to_host"])
+def test_cuda_empty_event_ordered_copy_still_records_after_its_waits(direction):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = StagingBuffer(dev, CAP)
+    producer = torch.cuda.Stream(dev)
+    ready, done = torch.cuda.Event(), torch.cuda.Event()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(200_000_000)
+        ready.record(producer)
+    copy = buf.copy_all_to_device if direction == "to_device" else buf.copy_all_to_host
+    copy([], waits=[ready], record=done)
+    assert not done.query()  # recorded behind the wait, not at once
+    done.synchronize()
+    assert ready.query()

@@ -439,6 +439,8 @@ class StagingBuffer:
     def _chunks(self, d: _Direction, flat):
         """Size ``d``'s halves for these pairs, then yield (dst, src) views chunk by chunk."""
         plan = [(dst, src, self._chunk(src.numel(), d)) for dst, src in flat]
+        if not plan:  # nothing to copy (an event-ordered call that only records)
+            return
         self._ensure(d, max(c for _, _, c in plan))
         for dst, src, c in plan:
             n = src.numel()
