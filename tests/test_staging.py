@@ -338,7 +338,10 @@ def test_cuda_event_ordered_copies_wait_and_record(direction):
                 d.fill_(7)  # work on the destination that the copy must come after
                 ready.record(producer)
             buf.copy_all_to_device([(d, src)], waits=[ready] if with_wait else [], record=done)
+            # read after both the copy and the producer: a copy that did not wait for the
+            # producer's write was overwritten by it
             torch.cuda.current_stream(dev).wait_event(done)
+            torch.cuda.current_stream(dev).wait_event(ready)
             ok = torch.equal(d.cpu(), src)
         else:
             d = src.to(dev)

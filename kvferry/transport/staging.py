@@ -127,6 +127,14 @@ class _CopyWorker:
                 self._thread = None
 
 
+def _unpin(ptr: int, stream) -> None:
+    try:
+        stream.synchronize()  # a DMA may still read or write the pages
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the driver may be gone already
+        pass
+
+
 def _normalize(device) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -151,7 +159,9 @@ class _Direction:
         self.buf: torch.Tensor | None = None
         self.halves: tuple[torch.Tensor, torch.Tensor] | None = None
         self.half = 0
-        self.registered = 0  # host pointer registered with CUDA (pinned in place), 0 = none
+        # unpins the halves (CUDA, pinned in place): called by free(), or by the garbage
+        # collector when a buffer is dropped without close(); None = nothing registered
+        self.unpin: weakref.finalize | None = None
         # the half the next copy starts in: consecutive copies alternate halves, so the host
         # memcpy of one small copy overlaps the DMA of the one before it
         self.next = 0
@@ -176,10 +186,10 @@ class _Direction:
 
     def free(self) -> None:
         """Release the halves (the caller has waited for their copies)."""
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.registered)
-        self.buf = self.halves = None
-        self.half = self.registered = 0
+        if self.unpin is not None:
+            self.unpin()
+        self.buf = self.halves = self.unpin = None
+        self.half = 0
 
 
 class StagingBuffer:
@@ -285,7 +295,10 @@ class StagingBuffer:
         if int(err) != 0:
             raise RuntimeError(f"staging {self.device}: pinning {nbytes} bytes failed (CUDA error "
                                f"{int(err)}); lower --staging-cap or raise the locked-memory limit")
-        d.registered = buf.data_ptr()
+        # The memory must leave the registration before the allocator can hand it out again
+        # (a later register of the same pages fails with "already registered"): unpinned by
+        # free(), or when the buffer is dropped unclosed, after its copies finished.
+        d.unpin = weakref.finalize(buf, _unpin, buf.data_ptr(), d.stream)
         return buf
 
     def _check(self, pairs, dst_dev, src_dev):
