@@ -19,8 +19,6 @@ Writes DIR/pageable_probe.md and .json. Diagnostic only: the bench's pin arm is 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -50,6 +48,7 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("bench", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    from kvferry.bench.report import write_md_json
     from kvferry.bench.runner import Bench
     from kvferry.cli import build_parser
     from kvferry.transport.staging import get_staging
@@ -136,12 +135,7 @@ def main():
     apply({})
     for c in b.caches.values():
         c.close()
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "pageable_probe.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(a.out, "pageable_probe.json"), "w") as f:
-        json.dump(rows, f, indent=1)
-    print("\n".join(lines))
+    write_md_json(a.out, "pageable_probe", lines, rows)
 
 
 if __name__ == "__main__":

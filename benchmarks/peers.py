@@ -110,12 +110,8 @@ def main():
     for r in results:
         lines.append(f"| {r['depth']} | {r['hf_static_offloaded_tps']} | {r['hf_dynamic_offloaded_tps']} | "
                      f"{r['kvferry_kvpd1_tps']} | {r['kvferry_device_tps']} | {r['bound_tps']} | {r['kvferry_pct_bound']} |")
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "peers.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.join(a.out, "peers.json"), "w") as f:
-        json.dump(results, f, indent=2)
-    print("\n".join(lines))
+    from kvferry.bench.report import write_md_json
+    write_md_json(a.out, "peers", lines, results)
     plot(results, os.path.join(a.out, "peers.png"), a.preset)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 from kvferry import KvferryError
 
@@ -81,3 +82,14 @@ def plot_rows(rows: list[dict], path: str, title: str = "") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def write_md_json(out_dir: str, name: str, lines: list[str], rows) -> None:
+    """Write ``name``.md (the lines) and ``name``.json (the rows) under out_dir, and print the
+    markdown: the usual ending of a benchmark script."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(rows, f, indent=2)
+    print("\n".join(lines))
