@@ -139,24 +139,25 @@ class CudaCopyEngine(CopyEngine):
         return self.copy_s
 
 
-def _plain_copies(jobs, lane):
+def _plain_copies(jobs, lane, waits, record, keep):
     for dst, src in jobs:
         dst.copy_(src)
 
 
 class ThreadCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None,
-                 events_fn: Callable | None = None, fence_fn: Callable | None = None):
+                 fence_fn: Callable | None = None):
         super().__init__(device, delay_s, seed)
-        cuda = device.type == "cuda"
-        self.streams = [torch.cuda.Stream(device) if cuda else None for _ in range(2)]
-        # copy_fn(jobs, lane) runs one copy() call's jobs on the lane's stream; the default
-        # copies them one by one. events_fn(jobs, lane, waits, record, keep) instead orders the
-        # copies itself: CUDA events to wait for before, one to record after, tensors to mark
-        # as used (None, None, () on CPU, where the host waits come first); fence_fn then
-        # waits for what it queued.
+        self.cuda = device.type == "cuda"
+        if self.cuda and copy_fn is None:
+            raise ValueError("ThreadCopyEngine on CUDA needs a copy_fn that orders its copies by "
+                             "the given events (the staging buffer's); plain copies would not")
+        # copy_fn(jobs, lane, waits, record, keep) runs one copy() call's jobs after the host
+        # waits. On CUDA it orders them itself: CUDA events to wait for before, one to record
+        # after, tensors to mark as used; fence_fn then waits for what it queued. On CPU it
+        # gets None, None, () (the copies are done when it returns); the default copies the
+        # jobs one by one.
         self.copy_fn = copy_fn or _plain_copies
-        self.events_fn = events_fn
         self.fence_fn = fence_fn
         self._queues: list[queue.Queue] = [queue.Queue(), queue.Queue()]
         self._pending = 0
@@ -181,7 +182,7 @@ class ThreadCopyEngine(CopyEngine):
         self._queues[lane].put((jobs, gens, sig, list(keep)))
 
     def _run(self, lane: int):
-        q, stream = self._queues[lane], self.streams[lane]
+        q = self._queues[lane]
         rng = random.Random(self._rng.random() + lane)
         while True:
             item = q.get()
@@ -190,31 +191,15 @@ class ThreadCopyEngine(CopyEngine):
             jobs, gens, sig, keep = item
             try:
                 t0 = time.perf_counter()
-                if stream is not None and self.events_fn is not None:
-                    for ev, g in gens:
-                        ev.wait_host(g)  # recorded (not finished) on its stream
-                    self.lane_wait_s[lane] += time.perf_counter() - t0
-                    self.events_fn(jobs, lane, [ev.cuda for ev, _ in gens], sig[0].cuda if sig else None, keep)
-                elif stream is not None:
-                    with torch.cuda.stream(stream):
-                        for ev, g in gens:
-                            ev.wait_host(g)  # recorded (not finished) on its stream
-                            stream.wait_event(ev.cuda)
-                        self.lane_wait_s[lane] += time.perf_counter() - t0
-                        self.copy_fn(jobs, lane)
-                        for t in keep:
-                            t.record_stream(stream)
-                        if sig:
-                            sig[0].cuda.record(stream)
+                for ev, g in gens:
+                    ev.wait_host(g)  # on CUDA: recorded (not finished) on its stream
+                self.lane_wait_s[lane] += time.perf_counter() - t0
+                if self.cuda:
+                    self.copy_fn(jobs, lane, [ev.cuda for ev, _ in gens], sig[0].cuda if sig else None, keep)
                 else:
-                    for ev, g in gens:
-                        ev.wait_host(g)
                     if self.delay_s and lane in self.delay_s:
                         time.sleep(rng.uniform(*self.delay_s[lane]))
-                    if self.events_fn is not None:
-                        self.events_fn(jobs, lane, None, None, ())
-                    else:
-                        self.copy_fn(jobs, lane)
+                    self.copy_fn(jobs, lane, None, None, ())
                 dt = time.perf_counter() - t0
                 self.copy_s += dt
                 self.lane_busy_s[lane] += dt
@@ -250,9 +235,6 @@ class ThreadCopyEngine(CopyEngine):
         with self._cv:
             while self._pending:
                 self._cv.wait()
-        for st in self.streams:
-            if st is not None:
-                st.synchronize()
         if self.fence_fn is not None:
             self.fence_fn()
         self._raise()

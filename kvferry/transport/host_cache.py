@@ -153,7 +153,7 @@ class HostKVCache(KVCache):
             # the staging streams wait for and record the transport's events themselves
             copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
             copy(jobs, waits=waits, record=record, keep=keep)
-        return ThreadCopyEngine(self.device, delay_s, seed, events_fn=staged, fence_fn=staging.synchronize)
+        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize)
 
     def _alloc_host(self, progress):
         spec = self.spec
