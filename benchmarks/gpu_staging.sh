@@ -1,25 +1,48 @@
 #!/usr/bin/env bash
-# Issue 4 on the GPU machine, in one call: staging tests on CUDA, host-side copy costs,
-# staging bandwidth against pinned (with a chunking sweep), pageable vs pinned host KV decode
-# at 16k, and the weight-upload peak. Usage: OUT=dir bash benchmarks/gpu_staging.sh [quick]
+# Issue 4 on the GPU machine, in one call. Usage: OUT=dir bash benchmarks/gpu_staging.sh [SECTION...]
+#   tests      staging tests on CUDA
+#   ceiling    host-side copy costs and the fastest host copy (alone and under a DMA stream)
+#   probe      where a pageable decode step goes (8 layers of the 8B shape at 16k), variants
+#   bandwidth  staging bandwidth against pinned; sweep adds a chunking sweep
+#   decode     pageable vs pinned host KV decode at 16k (kvferry bench), both staging modes
+#   load       the weight-upload staging peak
+#   gates      exactness on CUDA, pageable among the placements
+# No sections: all but sweep.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$(pwd)
+secs=" ${*:-tests ceiling probe bandwidth decode load gates} "
+on() { [[ "$secs" == *" $1 "* ]]; }
 nproc; grep -m1 "model name" /proc/cpuinfo; python3 -c "import torch; print(torch.__version__, torch.get_num_threads())"
-python3 -m pytest -q -p no:cacheprovider tests/test_staging.py 2>&1 | tail -2
-python3 benchmarks/host_copy_probe.py | tee "$OUT/host_copy.md"
-# where a pageable decode step's time goes (8 layers of the 8B shape at 16k), knobs around the defaults
-python3 benchmarks/pageable_probe.py --out "$OUT/probe" --variants "default:;sw5:switch=0.005;t12:threads=12;default2:" \
-  -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd 2 --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
-sweep=""; [ "${1:-}" = quick ] || sweep="--sweep-min-chunk-mib 4,16 --sweep-split 1,4 --sweep-sizes-mib 4,16,64,256"
-python3 benchmarks/staging_bench.py --out "$OUT" $sweep 2> "$OUT/staging.log"; echo "staging rc=$?"
-python3 -m kvferry bench --random-weights llama3-8b -p 0 -n 32 -d 16384 -r 3 -nkvo 1 -kvpd 1,2 -pin 1,0 --device cuda \
-  -o json > "$OUT/bench_pageable.json" 2> "$OUT/bench_pageable.log"; echo "pageable rc=$?"
-python3 - "$OUT/bench_pageable.json" <<'PY'
+if on tests; then python3 -m pytest -q -p no:cacheprovider tests/test_staging.py 2>&1 | tail -3; fi
+if on ceiling; then
+  python3 benchmarks/host_copy_probe.py > "$OUT/host_copy.md"
+  python3 benchmarks/host_copy_probe.py --ceiling 2048 >> "$OUT/host_copy.md"; cat "$OUT/host_copy.md"
+fi
+if on probe; then
+  python3 benchmarks/pageable_probe.py --out "$OUT/probe" \
+    --variants "decode:;thread:thread=1;decode_sw50us:switch=0.00005;thread_sw50us:thread=1,switch=0.00005;decode_t8:threads=8;decode_again:" \
+    -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd 2 --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
+  cat "$OUT/probe/pageable_probe.md"
+fi
+if on bandwidth || on sweep; then
+  sweep=""; on sweep && sweep="--sweep-min-chunk-mib 4,16 --sweep-split 1,4 --sweep-sizes-mib 4,16,64,256"
+  python3 benchmarks/staging_bench.py --out "$OUT" $sweep 2> "$OUT/staging.log"; echo "staging rc=$?"
+fi
+if on decode; then
+  for mode in decode thread; do
+    python3 -m kvferry bench --random-weights llama3-8b -p 0 -n 32 -d 16384 -r 3 -nkvo 1 -kvpd 1,2 -pin 1,0 --device cuda \
+      --staging-on $mode -o json > "$OUT/bench_pageable_$mode.json" 2> "$OUT/bench_pageable_$mode.log"; echo "pageable $mode rc=$?"
+    python3 - "$OUT/bench_pageable_$mode.json" $mode <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):
-    print(f"pin {r['pin']} kvpd {r['kvpd']}: {r['tps']} tok/s, {r['pct_bound']}% of bound, pinned {r['pinned_mib']} MiB, same {r['same']}")
+    print(f"staging on {sys.argv[2]}: pin {r['pin']} kvpd {r['kvpd']}: {r['tps']} tok/s, {r['pct_bound']}% of bound, "
+          f"pinned {r['pinned_mib']} MiB, same {r['same']}")
 PY
-python3 benchmarks/load_peak.py --device cuda --out "$OUT" 2> "$OUT/load_peak.log"; echo "load_peak rc=$?"
-# exactness on CUDA, pageable among the placements (8B shape, 4 layers)
-python3 benchmarks/gpu_gates.py --random-weights llama3-8b --layers 4 --prompt-len 300 --ctx 1024 --chunk 128 \
-  --out "$OUT" > "$OUT/gates.txt" 2>&1; echo "gates rc=$?"; tail -1 "$OUT/gates.txt"; grep ^FAIL "$OUT/gates.txt"
+  done
+fi
+if on load; then python3 benchmarks/load_peak.py --device cuda --out "$OUT" 2> "$OUT/load_peak.log"; echo "load_peak rc=$?"; fi
+if on gates; then
+  python3 benchmarks/gpu_gates.py --random-weights llama3-8b --layers 4 --prompt-len 300 --ctx 1024 --chunk 128 \
+    --out "$OUT" > "$OUT/gates.txt" 2>&1; echo "gates rc=$?"; tail -1 "$OUT/gates.txt"; grep ^FAIL "$OUT/gates.txt"
+fi
+exit 0

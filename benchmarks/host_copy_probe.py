@@ -6,12 +6,19 @@
                 main thread and from a worker thread, at several intra-op thread counts
   launch us     host time to issue one tiny non-blocking host-to-device copy, one event
                 record, one event synchronize on a finished event (CUDA only)
-Prints a markdown table. Use it to tell whether a host is memcpy-bound or launch-bound.
+  ceiling       (--ceiling) the fastest host copy we can find, pageable source to two reused
+                24 MiB halves (pinned on CUDA), as the staging loop does: torch copy_ at several
+                thread counts and glibc memmove on several Python threads (ctypes drops the
+                GIL), each alone and while a pinned host-to-device DMA stream runs (CUDA), with
+                that DMA's own rate. A staged copy cannot beat min(link, this).
+Prints markdown. Use it to tell whether a host is memcpy-bound or launch-bound.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import sys
 import threading
 import time
 
@@ -70,11 +77,89 @@ def launch_us(reps: int = 2000) -> dict:
     return res
 
 
+HALF = 24 * MIB
+
+
+def _torch_copier(nt):
+    def run(src, halves):
+        torch.set_num_threads(nt)
+        for k, off in enumerate(range(0, src.numel(), HALF)):
+            n = min(HALF, src.numel() - off)
+            halves[k & 1][:n].copy_(src[off:off + n])
+    return run
+
+
+def _memmove_copier(nt):
+    # thread i copies its 1/nt of every 24 MiB piece: memmove through ctypes drops the GIL
+    def run(src, halves):
+        s0, h0 = src.data_ptr(), [h.data_ptr() for h in halves]
+        part = HALF // nt
+
+        def work(i):
+            for k, off in enumerate(range(0, src.numel(), HALF)):
+                ctypes.memmove(h0[k & 1] + i * part, s0 + off + i * part, part)
+        ts = [threading.Thread(target=work, args=(i,)) for i in range(nt)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+    return run
+
+
+def ceiling(total_mib: int, cuda: bool) -> list[str]:
+    total = total_mib // 24 * HALF
+    src = torch.empty(total, dtype=torch.uint8).fill_(7)  # touched: no first-touch faults timed
+    halves = [torch.empty(HALF, dtype=torch.uint8, pin_memory=cuda) for _ in range(2)]
+    default = torch.get_num_threads()
+    methods = [(f"torch copy_, {n} threads", _torch_copier(n)) for n in (4, 8, 16) if n <= max(default, 4)]
+    methods += [(f"glibc memmove, {n} Python threads", _memmove_copier(n)) for n in (1, 4, 8, 16)]
+    lines = [f"host copy ceiling: {total / MIB:.0f} MiB pageable source into two 24 MiB "
+             f"{'pinned ' if cuda else ''}halves", "",
+             "| method | alone GB/s | with a DMA stream GB/s | that DMA GB/s |", "|---|---:|---:|---:|"]
+    if cuda:
+        dma_src = torch.empty(256 * MIB, dtype=torch.uint8, pin_memory=True)
+        dma_dst = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda")
+        side = torch.cuda.Stream()
+    for name, fn in methods:
+        fn(src[:2 * HALF], halves)  # warm-up (threads, pages of the halves)
+        t0 = time.perf_counter()
+        fn(src, halves)
+        alone = total / (time.perf_counter() - t0) / 1e9
+        with_dma = dma = float("nan")
+        if cuda:
+            torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            reps = max(8, int(total / alone / 1e9 / (256 * MIB / 50e9)) + 8)  # outlasts the memcpy
+            with torch.cuda.stream(side):
+                e0.record(side)
+                for _ in range(reps):
+                    dma_dst.copy_(dma_src, non_blocking=True)
+                e1.record(side)
+            t0 = time.perf_counter()
+            fn(src, halves)
+            t_copy = time.perf_counter() - t0
+            busy = not e1.query()  # the DMA stream was still running when the memcpy ended
+            e1.synchronize()
+            with_dma = total / t_copy / 1e9
+            dma = reps * 256 * MIB / (e0.elapsed_time(e1) / 1e3) / 1e9
+            if not busy:
+                name += " (DMA ended first)"
+        lines.append(f"| {name} | {alone:.1f} | {with_dma:.1f} | {dma:.1f} |")
+        print(lines[-1], file=sys.stderr, flush=True)  # progress
+    torch.set_num_threads(default)
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes-mib", default="1,4,16,64")
     ap.add_argument("--threads", default="1,4,8,16")
+    ap.add_argument("--ceiling", type=int, default=0, metavar="MIB",
+                    help="only the copy ceiling, over a pageable source of this many MiB")
     a = ap.parse_args()
+    if a.ceiling:
+        print("\n".join(ceiling(a.ceiling, torch.cuda.is_available())))
+        return
     sizes = [int(x) * MIB for x in a.sizes_mib.split(",")]
     threads = [int(x) for x in a.threads.split(",")]
     default = torch.get_num_threads()

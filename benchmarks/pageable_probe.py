@@ -13,6 +13,7 @@ the host memcpy, and spent issuing DMAs. A variant is `name:key=value,...` with 
   min_mib   staging minimum chunk (MiB);  split  staging split;  cap_mib  staging cap (MiB)
   h2d_share the cap's share for host-to-device halves
   poll_us   wait for a half by polling its event with sleeps of this many us (-1: driver wait)
+  thread    1: deliveries staged on a copy thread (--staging-on thread), 0: on the decode thread
 Writes DIR/pageable_probe.md and .json. Diagnostic only: the bench's pin arm is the measure.
 """
 
@@ -70,6 +71,8 @@ def main():
     base = dict(threads=torch.get_num_threads(), switch=sys.getswitchinterval(),
                 min_mib=staging.min_chunk_bytes / MIB, split=staging.split, cap_mib=staging.cap_bytes / MIB,
                 h2d_share=staging.h2d_share, poll_us=-1)
+    pageable_engine = b.cache_for(b.cfgs[1]).engine
+    base["thread"] = 0.0 if 0 in pageable_engine.inline_lanes else 1.0
 
     def apply(knobs):
         k = {**base, **knobs}
@@ -80,6 +83,8 @@ def main():
         staging.cap_bytes = int(k["cap_mib"] * MIB)
         staging.h2d_share = k["h2d_share"]
         staging._poll_s = None if k["poll_us"] < 0 else k["poll_us"] * 1e-6
+        pageable_engine.fence()
+        pageable_engine.inline_lanes = frozenset() if k["thread"] else frozenset((0,))
         return k
 
     def timed(cfg):

@@ -19,6 +19,9 @@ class KVConfig:
     chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
+    # pageable host KV: deliveries staged by a copy thread (True) or by the decode thread
+    # between layers (False); write-backs always go through a copy thread
+    staging_thread: bool = False
 
     def __post_init__(self):
         from kvferry.kv.quant import KV_TYPES

@@ -186,7 +186,8 @@ def test_pageable_host_cache_matches_pinned_and_device():
     prompts = None
     results = {}
     for name, kv in {"device": {}, "pinned": dict(offload=True, depth=1),
-                     "pageable": dict(offload=True, depth=1, pinned=False)}.items():
+                     "pageable": dict(offload=True, depth=1, pinned=False),
+                     "pageable-copy-thread": dict(offload=True, depth=2, pinned=False, staging_thread=True)}.items():
         eng = _engine(kv)
         prompts = prompts or _prompts(eng, 1)
         results[name] = _run(eng, prompts, 32)
@@ -225,3 +226,38 @@ def test_host_write_waits_for_deliveries_in_flight():
         cache.batch = None
     finally:
         _restore(eng, old)
+
+
+def test_inline_lane_copies_on_the_calling_thread():
+    """An inline lane (pageable deliveries staged by the decode thread) runs each copy on the
+    caller, complete on return with its signal marked; an error reaches the caller at once and
+    still marks the signal. A queued lane, the control, runs on the engine's worker."""
+    import threading
+
+    from kvferry.transport.engine import ThreadCopyEngine
+    seen = []
+
+    def copy_fn(jobs, lane, waits, record, keep):
+        seen.append((lane, threading.current_thread()))
+        for dst, src in jobs:
+            if src.numel() == 0:
+                raise RuntimeError("empty source")
+            dst.copy_(src)
+
+    eng = ThreadCopyEngine(torch.device("cpu"), copy_fn=copy_fn, inline_lanes=(0,))
+    try:
+        src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
+        sig = eng.event("ready")
+        eng.copy([(dst, src)], [], sig, lane=0)
+        assert torch.equal(dst, src) and sig.done == sig.armed == 1
+        assert seen[-1] == (0, threading.current_thread())
+        with pytest.raises(RuntimeError, match="empty source"):
+            eng.copy([(dst[:0], src[:0])], [], sig, lane=0)
+        assert sig.done == sig.armed == 2  # no waiter hangs on a failed copy
+        wb, back = eng.event("wb"), torch.zeros(64, dtype=torch.uint8)
+        eng.copy([(back, dst)], [sig], wb, lane=1)
+        eng.fence()
+        assert torch.equal(back, src) and wb.done == 1
+        assert seen[-1][0] == 1 and seen[-1][1] is not threading.current_thread()
+    finally:
+        eng.close()

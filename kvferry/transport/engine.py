@@ -9,7 +9,10 @@ The transport talks to one of two engines through the same five calls (`copy`,
                      stands in for the copy engine (threading events in place of CUDA
                      events), so the ordering logic and its races run where CI runs. On a
                      GPU with pageable host memory it drives the staging buffer, whose
-                     chunk loop needs a host thread, still recording CUDA events.
+                     chunk loop needs a host thread, still recording CUDA events. A lane
+                     can be "inline": its copies run on the calling thread at the call
+                     (the pageable cache stages deliveries on the decode thread that way,
+                     between layers, with no second Python thread contending for the GIL).
 Every event is a `SlotEvent` with a generation counter: `arm()` when a record is
 promised, `mark()` when it has happened (recorded on a stream, or completed on CPU).
 A wait targets the generation armed at the time it is issued, as a CUDA stream wait
@@ -146,8 +149,11 @@ def _plain_copies(jobs, lane, waits, record, keep):
 
 class ThreadCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None,
-                 fence_fn: Callable | None = None):
+                 fence_fn: Callable | None = None, inline_lanes=()):
         super().__init__(device, delay_s, seed)
+        # lanes whose copies run on the caller's thread, in call order (the caller's calls on
+        # such a lane are then in FIFO order by construction); change only after fence()
+        self.inline_lanes = frozenset(inline_lanes)
         self.cuda = device.type == "cuda"
         if self.cuda and copy_fn is None:
             raise ValueError("ThreadCopyEngine on CUDA needs a copy_fn that orders its copies by "
@@ -177,9 +183,31 @@ class ThreadCopyEngine(CopyEngine):
         self._raise()
         gens = [(ev, ev.armed) for ev in waits]
         sig = (signal, signal.arm()) if signal is not None else None
+        if lane in self.inline_lanes:
+            try:  # an error reaches the caller at once
+                self._do(lane, jobs, gens, sig, list(keep), self._rng)
+            finally:
+                if sig:  # marked even on error, so no waiter hangs
+                    sig[0].mark(sig[1])
+            return
         with self._cv:
             self._pending += 1
         self._queues[lane].put((jobs, gens, sig, list(keep)))
+
+    def _do(self, lane, jobs, gens, sig, keep, rng):
+        t0 = time.perf_counter()
+        for ev, g in gens:
+            ev.wait_host(g)  # on CUDA: recorded (not finished) on its stream
+        self.lane_wait_s[lane] += time.perf_counter() - t0
+        if self.cuda:
+            self.copy_fn(jobs, lane, [ev.cuda for ev, _ in gens], sig[0].cuda if sig else None, keep)
+        else:
+            if self.delay_s and lane in self.delay_s:
+                time.sleep(rng.uniform(*self.delay_s[lane]))
+            self.copy_fn(jobs, lane, None, None, ())
+        dt = time.perf_counter() - t0
+        self.copy_s += dt
+        self.lane_busy_s[lane] += dt
 
     def _run(self, lane: int):
         q = self._queues[lane]
@@ -190,19 +218,7 @@ class ThreadCopyEngine(CopyEngine):
                 return
             jobs, gens, sig, keep = item
             try:
-                t0 = time.perf_counter()
-                for ev, g in gens:
-                    ev.wait_host(g)  # on CUDA: recorded (not finished) on its stream
-                self.lane_wait_s[lane] += time.perf_counter() - t0
-                if self.cuda:
-                    self.copy_fn(jobs, lane, [ev.cuda for ev, _ in gens], sig[0].cuda if sig else None, keep)
-                else:
-                    if self.delay_s and lane in self.delay_s:
-                        time.sleep(rng.uniform(*self.delay_s[lane]))
-                    self.copy_fn(jobs, lane, None, None, ())
-                dt = time.perf_counter() - t0
-                self.copy_s += dt
-                self.lane_busy_s[lane] += dt
+                self._do(lane, jobs, gens, sig, keep, rng)
             except BaseException as e:  # surfaced on the next call from the main thread
                 self._error = e
             finally:

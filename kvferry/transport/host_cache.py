@@ -97,8 +97,9 @@ class HostKVCache(KVCache):
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
         self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
-        log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, "pinned" if self.pinned else "pageable",
-                 self.describe())
+        where = "pinned" if self.pinned else (
+            "pageable, deliveries staged on a copy thread" if kv.staging_thread else "pageable, deliveries staged on the decode thread")
+        log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, where, self.describe())
 
     # -- setup ---------------------------------------------------------------------------
     def _build_ring(self):
@@ -153,7 +154,14 @@ class HostKVCache(KVCache):
             # the staging streams wait for and record the transport's events themselves
             copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
             copy(jobs, waits=waits, record=record, keep=keep)
-        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize)
+        # Deliveries are staged on the decode thread unless asked otherwise: the host memcpy is
+        # the bottleneck either way, and a second Python thread running the chunk loop loses
+        # time at every GIL hand-over to the decode thread (docs/results.md, issue 4). The
+        # DMAs still run under the compute of earlier layers. Write-backs stay on a thread:
+        # draining one waits for the compute that produced its rows.
+        inline = () if self.kv.staging_thread else (0,)
+        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize,
+                                inline_lanes=inline)
 
     def _alloc_host(self, progress):
         spec = self.spec

@@ -108,7 +108,10 @@ class _CopyWorker:
             try:
                 if is_copy and self.delay_s > 0:
                     time.sleep(self._rng.uniform(0.0, self.delay_s))
-                fn()
+                # callers may hand over inference tensors (views made in the decode thread's
+                # inference mode); in that mode both kinds may be written (byte buffers, no autograd)
+                with torch.inference_mode():
+                    fn()
             except BaseException as exc:  # surfaced to the waiting caller by raise_error
                 if self._error is None:
                     self._error = exc
@@ -278,6 +281,13 @@ class StagingBuffer:
         self._peak = max(self._peak, self.pinned_bytes)
 
     def _alloc(self, nbytes: int, d: _Direction) -> torch.Tensor:
+        # The first copy may come from a thread in inference mode (the decode thread staging
+        # deliveries): a buffer made there would be an inference tensor, which the CPU
+        # workers, outside that mode, may not write. The buffer is plain storage either way.
+        with torch.inference_mode(False):
+            return self._alloc_plain(nbytes, d)
+
+    def _alloc_plain(self, nbytes: int, d: _Direction) -> torch.Tensor:
         if not self._cuda:
             return torch.empty(nbytes, dtype=torch.uint8)
         # Pinned in place with cudaHostRegister rather than through torch's pinned allocator:
