@@ -4,7 +4,7 @@
 #   ceiling    host-side copy costs and the fastest host copy (alone and under a DMA stream)
 #   probe      where a pageable decode step goes (8 layers of the 8B shape at 16k), variants
 #   bandwidth  staging bandwidth against pinned; sweep adds a chunking sweep
-#   decode     pageable vs pinned host KV decode at 16k (kvferry bench), both staging modes
+#   decode     pageable vs pinned host KV decode at 16k (kvferry bench), per --staging-on mode
 #   load       the weight-upload staging peak
 #   gates      exactness on CUDA, pageable among the placements
 # No sections: all but sweep.
@@ -20,7 +20,7 @@ if on ceiling; then
 fi
 if on probe; then
   python3 benchmarks/pageable_probe.py --out "$OUT/probe" \
-    --variants "decode:;thread:thread=1;decode_sw50us:switch=0.00005;thread_sw50us:thread=1,switch=0.00005;decode_t8:threads=8;decode_again:" \
+    --variants "${PROBE_VARIANTS:-auto:;pump_on_decode:thread=0;pump_t14:pump_threads=14;pump_t8:pump_threads=8;python_thread:native=0,thread=1;python_decode:native=0,thread=0;auto_again:}" \
     -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd 2 --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
   cat "$OUT/probe/pageable_probe.md"
 fi
@@ -29,7 +29,7 @@ if on bandwidth || on sweep; then
   python3 benchmarks/staging_bench.py --out "$OUT" $sweep 2> "$OUT/staging.log"; echo "staging rc=$?"
 fi
 if on decode; then
-  for mode in decode thread; do
+  for mode in ${DECODE_MODES:-auto decode}; do
     python3 -m kvferry bench --random-weights llama3-8b -p 0 -n 32 -d 16384 -r 3 -nkvo 1 -kvpd 1,2 -pin 1,0 --device cuda \
       --staging-on $mode -o json > "$OUT/bench_pageable_$mode.json" 2> "$OUT/bench_pageable_$mode.log"; echo "pageable $mode rc=$?"
     python3 - "$OUT/bench_pageable_$mode.json" $mode <<'PY'

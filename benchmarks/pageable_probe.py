@@ -14,6 +14,8 @@ the host memcpy, and spent issuing DMAs. A variant is `name:key=value,...` with 
   h2d_share the cap's share for host-to-device halves
   poll_us   wait for a half by polling its event with sleeps of this many us (-1: driver wait)
   thread    1: deliveries staged on a copy thread (--staging-on thread), 0: on the decode thread
+  native    1: host-to-device chunks through the compiled pump, 0: the Python chunk loop
+  pump_threads  memcpy threads of the compiled pump (0: torch's intra-op count)
 Writes DIR/pageable_probe.md and .json. Diagnostic only: the bench's pin arm is the measure.
 """
 
@@ -73,6 +75,8 @@ def main():
                 h2d_share=staging.h2d_share, poll_us=-1)
     pageable_engine = b.cache_for(b.cfgs[1]).engine
     base["thread"] = 0.0 if 0 in pageable_engine.inline_lanes else 1.0
+    base["native"] = 1.0 if staging._pump() is not None else 0.0
+    base["pump_threads"] = 0.0
 
     def apply(knobs):
         k = {**base, **knobs}
@@ -85,6 +89,8 @@ def main():
         staging._poll_s = None if k["poll_us"] < 0 else k["poll_us"] * 1e-6
         pageable_engine.fence()
         pageable_engine.inline_lanes = frozenset() if k["thread"] else frozenset((0,))
+        staging.native = bool(k["native"])
+        staging.pump_threads = int(k["pump_threads"]) or None
         return k
 
     def timed(cfg):

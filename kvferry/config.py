@@ -20,8 +20,10 @@ class KVConfig:
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
     # pageable host KV: deliveries staged by a copy thread (True) or by the decode thread
-    # between layers (False); write-backs always go through a copy thread
-    staging_thread: bool = False
+    # between layers (False); None: a copy thread when the compiled staging pump is in use
+    # (its chunk loop leaves the GIL to the decode thread), else the decode thread.
+    # Write-backs always go through a copy thread.
+    staging_thread: bool | None = None
 
     def __post_init__(self):
         from kvferry.kv.quant import KV_TYPES

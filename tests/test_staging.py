@@ -281,15 +281,16 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 @cuda_only
+@pytest.mark.parametrize("native", [None, False])  # None: the compiled pump where it loads
 @pytest.mark.parametrize("cap", [CAP, 64 << 20])
 @pytest.mark.parametrize("n_of_cap", [lambda cap: cap - 100, lambda cap: 2 * cap + 12_345])
 @pytest.mark.parametrize("side_stream", [False, True])
-def test_cuda_round_trip_is_ordered_with_the_callers_stream(cap, n_of_cap, side_stream):
+def test_cuda_round_trip_is_ordered_with_the_callers_stream(cap, n_of_cap, side_stream, native):
     # Slow kernels on both streams turn a missing stream-to-stream wait into wrong data. A copy
     # of two chunks or fewer returns with all of it in flight; longer ones have host waits inside
     # that can hide a missing wait, so it takes the whole matrix to catch each one.
     dev = torch.device("cuda", torch.cuda.current_device())
-    buf = StagingBuffer(dev, cap)
+    buf = StagingBuffer(dev, cap, native=native)
     n = n_of_cap(cap)
     stream = torch.cuda.Stream(dev) if side_stream else torch.cuda.current_stream(dev)
     with torch.cuda.stream(stream):
@@ -387,3 +388,60 @@ def test_cuda_empty_event_ordered_copy_still_records_after_its_waits(direction):
     assert not done.query()  # recorded behind the wait, not at once
     done.synchronize()
     assert ready.query()
+
+
+def _pump_or_skip(cuda: bool):
+    from kvferry.transport.native import load_pump
+    if load_pump(cuda) is None:
+        pytest.skip("the compiled staging pump could not be built here (no C compiler?)")
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("n", [CAP, CAP + 1, 2 * CAP + 12_345, 40 * CAP + 3])
+def test_pump_copies_like_the_python_loop(n, threads):
+    # The compiled chunk pump walks the same chunks through the same halves as the Python loop:
+    # every byte arrives, guards stay, the cap holds, and the chunk counts agree.
+    _pump_or_skip(False)
+    counts = {}
+    for native in (True, False):
+        buf = StagingBuffer(CPU, CAP, native=native)
+        buf.pump_threads = threads
+        assert _round_trip(buf, n, seed=n + threads)
+        counts[native] = buf.stats()["h2d"]["chunks"]
+        assert buf.pinned_bytes == CAP
+    assert counts[True] == counts[False] > 1
+
+
+def test_pump_streams_several_pairs_and_alternates_halves():
+    _pump_or_skip(False)
+    buf = StagingBuffer(CPU, CAP, native=True)
+    srcs = [_random_bytes(n, seed=n) for n in (5, CAP // 3, 3 * CAP + 7, 1)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    buf.copy_all_to_device(list(zip(dsts, srcs)))
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    first = buf._h2d.next
+    buf.copy_to_device(dsts[0], srcs[0])  # one chunk: the next copy starts in the other half
+    assert buf._h2d.next == first ^ 1
+
+
+@cuda_only
+def test_cuda_pump_half_wait_is_what_keeps_data_intact():
+    # With the DMAs held back by a slow kernel on the staging stream, the pump must wait for a
+    # half's DMA before refilling it. Negative control: skipping that wait corrupts the copy.
+    _pump_or_skip(True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 20 * (384 << 10) + 999  # many chunks through 384 KiB halves (1 MiB cap)
+
+    def trip(skip: bool) -> bool:
+        buf = StagingBuffer(dev, 1 << 20, native=True, _test_skip_half_wait=skip)
+        src = _random_bytes(n, seed=5)
+        dst = torch.zeros(n, dtype=torch.uint8, device=dev)
+        with torch.cuda.stream(buf._h2d.stream):
+            torch.cuda._sleep(100_000_000)
+        buf.copy_to_device(dst, src, synchronize=True)
+        ok = torch.equal(dst.cpu(), src)
+        buf.close()
+        return ok
+
+    assert not trip(True), "skipping the half wait went unnoticed"
+    assert trip(False)

@@ -98,7 +98,8 @@ class HostKVCache(KVCache):
         self.steps = 0
         self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
         where = "pinned" if self.pinned else (
-            "pageable, deliveries staged on a copy thread" if kv.staging_thread else "pageable, deliveries staged on the decode thread")
+            "pageable, deliveries staged on a copy thread" if self.staging_thread
+            else "pageable, deliveries staged on the decode thread")
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, where, self.describe())
 
     # -- setup ---------------------------------------------------------------------------
@@ -135,6 +136,7 @@ class HostKVCache(KVCache):
         log.info("host KV transport: %s", self.describe())
 
     def _make_engine(self, delay_s, seed) -> CopyEngine:
+        self.staging_thread = False  # deliveries staged on a copy thread (pageable only)
         if self.device.type == "cuda" and self.pinned:
             return CudaCopyEngine(self.device, delay_s, seed)
         if self.kv.pinned:  # CPU: plain copies on the stand-in copy engine
@@ -159,7 +161,11 @@ class HostKVCache(KVCache):
         # time at every GIL hand-over to the decode thread (docs/results.md, issue 4). The
         # DMAs still run under the compute of earlier layers. Write-backs stay on a thread:
         # draining one waits for the compute that produced its rows.
-        inline = () if self.kv.staging_thread else (0,)
+        thread = self.kv.staging_thread
+        if thread is None:  # auto: a GIL-free chunk loop can run beside the decode thread
+            thread = staging._pump() is not None
+        self.staging_thread = thread
+        inline = () if thread else (0,)
         return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize,
                                 inline_lanes=inline)
 

@@ -174,6 +174,8 @@ class _Direction:
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
             self.events = [torch.cuda.Event(), torch.cuda.Event()]
+            for ev in self.events:  # created now: the compiled pump waits on their raw handles
+                ev.record(self.stream)
         else:
             self.stream = None
             self.worker = _CopyWorker(f"kvferry-staging-{name}-{device}", delay_s)
@@ -205,6 +207,7 @@ class StagingBuffer:
     def __init__(self, device: torch.device, cap_bytes: int = DEFAULT_CAP_BYTES, *,
                  min_chunk_bytes: int = DEFAULT_MIN_CHUNK, split: int = DEFAULT_SPLIT,
                  h2d_share: float = DEFAULT_H2D_SHARE,
+                 native: bool | None = None,
                  _test_uncapped: bool = False, _test_delay_s: float = 0.0,
                  _test_skip_half_wait: bool = False):
         device = _normalize(device)
@@ -228,6 +231,11 @@ class StagingBuffer:
         self._test_uncapped = _test_uncapped
         self._test_skip_half_wait = _test_skip_half_wait
         self._poll_s: float | None = None
+        # Host-to-device chunks through the compiled pump (native.py): True requires it, None
+        # uses it on CUDA when it loads, False keeps the Python loop. Switchable between copies.
+        self.native = native
+        self._pump_state: tuple | None = None  # (native setting, pump or None)
+        self.pump_threads: int | None = None  # memcpy threads of the pump; None = torch's count
         self._h2d = _Direction(device, "h2d", _test_delay_s)
         self._d2h = _Direction(device, "d2h", _test_delay_s)
         self._peak = 0
@@ -368,24 +376,16 @@ class StagingBuffer:
         if not flat and record is None:
             return
         d = self._h2d
+        pump = self._pump()
         with d.lock:
             caller, ctx = self._enter(d, waits)
             h = d.next
             c = d.counts
-            with ctx:
-                for dst, src in self._chunks(d, flat):
-                    stage = d.halves[h][:src.numel()]
-                    t0 = time.perf_counter()
-                    self._wait_half(d, h)  # the half's previous DMA may still be reading it
-                    t1 = time.perf_counter()
-                    stage.copy_(src)
-                    t2 = time.perf_counter()
-                    self._engine_copy(d, dst, stage, h)
-                    c["wait_s"] += t1 - t0
-                    c["memcpy_s"] += t2 - t1
-                    c["issue_s"] += time.perf_counter() - t2
-                    c["chunks"] += 1
-                    h ^= 1
+            if pump is not None and flat:
+                h = self._pump_h2d(pump, d, flat, h)
+            else:
+                with ctx:
+                    h = self._loop_h2d(d, flat, h)
             c["copies"] += 1
             c["bytes"] += sum(src.numel() for _, src in flat)
             d.next = h
@@ -395,6 +395,52 @@ class StagingBuffer:
                     d.stream.synchronize()
             else:
                 d.synchronize()
+
+    def _loop_h2d(self, d: _Direction, flat, h: int) -> int:
+        """The reference chunk loop (Python): the compiled pump does the same per chunk."""
+        c = d.counts
+        for dst, src in self._chunks(d, flat):
+            stage = d.halves[h][:src.numel()]
+            t0 = time.perf_counter()
+            self._wait_half(d, h)  # the half's previous DMA may still be reading it
+            t1 = time.perf_counter()
+            stage.copy_(src)
+            t2 = time.perf_counter()
+            self._engine_copy(d, dst, stage, h)
+            c["wait_s"] += t1 - t0
+            c["memcpy_s"] += t2 - t1
+            c["issue_s"] += time.perf_counter() - t2
+            c["chunks"] += 1
+            h ^= 1
+        return h
+
+    def _pump(self):
+        """The compiled pump to use for the next host-to-device copy, or None (Python loop)."""
+        want = self.native if self.native is not None else (self._cuda and not self._poll_s)
+        if not want:
+            return None
+        if self._pump_state is None or self._pump_state[0] != want:
+            from kvferry.transport.native import load_pump
+            pump = load_pump(self._cuda)
+            if pump is None and self.native:
+                raise RuntimeError("staging: the compiled chunk pump was asked for (native=True) but "
+                                   "could not be loaded; see the log, or use native=None/False")
+            self._pump_state = (want, pump)
+        return self._pump_state[1]
+
+    def _pump_h2d(self, pump, d: _Direction, flat, h: int) -> int:
+        plan = [(dst, src, self._chunk(src.numel(), d)) for dst, src in flat]
+        self._ensure(d, max(c for _, _, c in plan))
+        pairs = [(dst.data_ptr(), src.data_ptr(), src.numel(), c) for dst, src, c in plan]
+        halves = [t.data_ptr() for t in d.halves]
+        nthreads = self.pump_threads or torch.get_num_threads()
+        if not self._cuda:  # the "DMA" is a memcpy on the calling thread: nothing in flight
+            d.synchronize()  # a Python-loop copy before this one may still be on the worker
+            return pump.h2d(pairs, halves, (None, None), None, h, nthreads, d.counts,
+                            self._test_skip_half_wait)
+        with torch.cuda.device(self.device):  # the runtime's calls act on the current device
+            return pump.h2d(pairs, halves, [e.cuda_event for e in d.events], d.stream.cuda_stream,
+                            h, nthreads, d.counts, self._test_skip_half_wait)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy device ``src`` into host ``dst`` (pageable); returns when ``dst`` holds all bytes."""

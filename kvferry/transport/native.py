@@ -1,0 +1,135 @@
+"""The staging buffer's compiled chunk pump (pump.c): built on first use with the system C
+compiler, cached per source hash, loaded with ctypes (whose calls release the GIL).
+
+`load_pump()` returns a `Pump` or None when it cannot be had (no compiler, a failed build,
+no CUDA runtime to hand it, or KVFERRY_NATIVE=0); the staging buffer then keeps its Python loop,
+and says so once in the log. Why by hand: no library offers a GIL-free pageable staging loop;
+a ctypes-loaded C file needs neither CUDA headers nor a build of PyTorch's extension machinery.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).with_name("pump.c")
+_LOCK = threading.Lock()
+_STATE: dict = {}
+
+
+class _Cuda(ctypes.Structure):
+    _fields_ = [("memcpy_async", ctypes.c_void_p), ("event_sync", ctypes.c_void_p),
+                ("event_record", ctypes.c_void_p)]
+
+
+class Pump:
+    def __init__(self, lib: ctypes.CDLL, cuda: _Cuda | None):
+        self._fn = lib.kvf_h2d
+        P = ctypes.c_void_p
+        self._fn.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int, P, P, P,
+                             ctypes.c_int]
+        self._fn.restype = ctypes.c_int
+        self.cuda = cuda
+
+    def h2d(self, pairs, halves, events, stream, half: int, nthreads: int, counts: dict,
+            skip_half_wait: bool = False) -> int:
+        """pairs: (dst_ptr, src_ptr, nbytes, chunk). halves: two pointers; events and stream:
+        raw CUDA handles (ignored on CPU). Adds chunks and wait / memcpy / issue seconds to
+        `counts`. Returns the half the next copy starts in; raises on a CUDA error."""
+        n = len(pairs)
+        arr = ctypes.c_void_p * n
+        sz = ctypes.c_size_t * n
+        dsts, srcs = arr(*(p[0] for p in pairs)), arr(*(p[1] for p in pairs))
+        sizes, chunks = sz(*(p[2] for p in pairs)), sz(*(p[3] for p in pairs))
+        cuda = ctypes.byref(self.cuda) if self.cuda is not None else None
+        times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
+        r = self._fn(n, dsts, srcs, sizes, chunks, halves[0], halves[1], events[0], events[1], stream,
+                     half, nthreads, cuda, times, chunks_done, int(skip_half_wait))
+        for k, v in zip(("wait_s", "memcpy_s", "issue_s"), times):
+            counts[k] += v
+        counts["chunks"] += chunks_done[0]
+        if r < 0:
+            raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a host-to-device chunk")
+        return r
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("KVFERRY_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvferry")
+    return Path(base)
+
+
+def _build() -> Path | None:
+    src = _SRC.read_bytes()
+    out = _cache_dir() / f"pump-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.info("staging pump: no C compiler found (set CC), using the Python chunk loop")
+        return None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(_SRC)]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            log.warning("staging pump: build failed (%s), using the Python chunk loop: %s",
+                        " ".join(cmd), r.stderr.strip()[-500:])
+            return None
+        os.replace(so, out)  # atomic: concurrent builders leave one complete file
+    return out
+
+
+def _cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime PyTorch loaded (its handles are the ones this process uses)."""
+    import torch
+    torch.cuda.init()
+    with open("/proc/self/maps") as f:
+        paths = {ln.split()[-1] for ln in f if "libcudart" in ln and ln.split()[-1].startswith("/")}
+    for p in sorted(paths):
+        try:
+            return ctypes.CDLL(p)
+        except OSError:
+            continue
+    return None
+
+
+def load_pump(cuda: bool) -> Pump | None:
+    key = "cuda" if cuda else "cpu"
+    with _LOCK:
+        if key in _STATE:
+            return _STATE[key]
+        pump = None
+        if os.environ.get("KVFERRY_NATIVE", "1") != "0":
+            try:
+                so = _build()
+                if so is not None:
+                    lib = ctypes.CDLL(str(so))
+                    funcs = None
+                    if cuda:
+                        rt = _cudart()
+                        if rt is None:
+                            log.info("staging pump: PyTorch's CUDA runtime library not found, "
+                                     "using the Python chunk loop")
+                            lib = None
+                        else:
+                            addr = [ctypes.cast(getattr(rt, n), ctypes.c_void_p).value for n in
+                                    ("cudaMemcpyAsync", "cudaEventSynchronize", "cudaEventRecord")]
+                            funcs = _Cuda(*addr)
+                    if lib is not None:
+                        pump = Pump(lib, funcs)
+                        log.info("staging pump: compiled chunk loop loaded (%s)", so)
+            except (OSError, AttributeError, subprocess.SubprocessError) as e:
+                log.warning("staging pump: unavailable (%s), using the Python chunk loop", e)
+        _STATE[key] = pump
+        return pump

@@ -1,0 +1,88 @@
+/* Chunk pump for the staging buffer: host to device copies from pageable memory, run from one
+ * call that never holds Python's GIL (ctypes releases it for the call).
+ *
+ * Why C: the same loop in Python takes the GIL back after every memcpy, launch and event wait,
+ * and with the decode thread running Python beside it each hand-over costs up to a thread
+ * switch interval; on the H200 machine that Python made the pageable decode step 2-3x the
+ * pinned one (docs/results.md, issue 4). Nothing here is new logic: staging.py holds the
+ * reference loop, which this one mirrors chunk for chunk and which the tests compare it to.
+ *
+ * Per chunk: wait until the half's previous DMA is done (its event), memcpy the chunk into the
+ * half on `nthreads` OpenMP threads, queue the DMA on the staging stream, record the half's
+ * event. The CUDA runtime functions come in as pointers (from the libcudart that PyTorch
+ * loaded), so this file needs no CUDA headers; with `fns` NULL the "DMA" is a plain memcpy into
+ * the destination (CPU), which lets the loop run where there is no GPU.
+ */
+#include <stddef.h>
+#include <string.h>
+#include <time.h>
+
+typedef int (*memcpy_async_fn)(void *dst, const void *src, size_t n, int kind, void *stream);
+typedef int (*event_fn)(void *event);                     /* cudaEventSynchronize */
+typedef int (*record_fn)(void *event, void *stream);      /* cudaEventRecord */
+
+struct kvf_cuda {
+    memcpy_async_fn memcpy_async;
+    event_fn event_sync;
+    record_fn event_record;
+};
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void par_memcpy(char *dst, const char *src, size_t n, int nthreads) {
+    /* one piece per thread, cut at 4 KiB so no two threads write one page */
+    if (nthreads <= 1 || n < ((size_t)1 << 20)) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t piece = (n / nthreads + 4095) & ~(size_t)4095;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int i = 0; i < nthreads; i++) {
+        size_t off = (size_t)i * piece;
+        if (off < n)
+            memcpy(dst + off, src + off, n - off < piece ? n - off : piece);
+    }
+}
+
+/* Copies n_pairs (dst, src, size) through two halves in chunks of chunk[i] bytes for pair i,
+ * starting in half `h`. times[0..2] accumulate seconds waiting for a half, in memcpy, and
+ * issuing; counts[0] accumulates chunks. skip_half_wait is a test-only negative control. Returns the half the next copy starts in (0 or 1), or
+ * -1000 - err when a CUDA call fails with err. */
+int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
+            char *half0, char *half1, void *ev0, void *ev1, void *stream, int h, int nthreads,
+            const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait) {
+    char *halves[2] = {half0, half1};
+    void *events[2] = {ev0, ev1};
+    for (int p = 0; p < n_pairs; p++) {
+        for (size_t off = 0; off < sizes[p]; off += chunk[p]) {
+            size_t n = sizes[p] - off < chunk[p] ? sizes[p] - off : chunk[p];
+            double t0 = now();
+            /* the half's last DMA may still read it (skip_half_wait: test-only negative control) */
+            int err = cuda && !skip_half_wait ? cuda->event_sync(events[h]) : 0;
+            if (err)
+                return -1000 - err;
+            double t1 = now();
+            par_memcpy(halves[h], srcs[p] + off, n, nthreads);
+            double t2 = now();
+            if (cuda) {
+                err = cuda->memcpy_async(dsts[p] + off, halves[h], n, 1 /* host to device */, stream);
+                if (!err)
+                    err = cuda->event_record(events[h], stream);
+                if (err)
+                    return -1000 - err;
+            } else {
+                memcpy(dsts[p] + off, halves[h], n);
+            }
+            times[0] += t1 - t0;
+            times[1] += t2 - t1;
+            times[2] += now() - t2;
+            counts[0] += 1;
+            h ^= 1;
+        }
+    }
+    return h;
+}
