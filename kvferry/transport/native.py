@@ -28,7 +28,7 @@ _STATE: dict = {}
 
 class _Cuda(ctypes.Structure):
     _fields_ = [("memcpy_async", ctypes.c_void_p), ("event_sync", ctypes.c_void_p),
-                ("event_record", ctypes.c_void_p)]
+                ("event_record", ctypes.c_void_p), ("stream_wait", ctypes.c_void_p)]
 
 
 class Pump:
@@ -36,27 +36,50 @@ class Pump:
         self._fn = lib.kvf_h2d
         P = ctypes.c_void_p
         self._fn.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int, P, P, P,
-                             ctypes.c_int]
+                             ctypes.c_int, ctypes.c_int, P, P]
         self._fn.restype = ctypes.c_int
+        self._d2h = lib.kvf_d2h
+        self._d2h.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, P, P, P,
+                              ctypes.c_int, P, P]
+        self._d2h.restype = ctypes.c_int
         self.cuda = cuda
 
-    def h2d(self, pairs, halves, events, stream, half: int, nthreads: int, counts: dict,
-            skip_half_wait: bool = False) -> int:
-        """pairs: (dst_ptr, src_ptr, nbytes, chunk). halves: two pointers; events and stream:
-        raw CUDA handles (ignored on CPU). Adds chunks and wait / memcpy / issue seconds to
-        `counts`. Returns the half the next copy starts in; raises on a CUDA error."""
+    @staticmethod
+    def _arrays(pairs):
         n = len(pairs)
-        arr = ctypes.c_void_p * n
-        sz = ctypes.c_size_t * n
-        dsts, srcs = arr(*(p[0] for p in pairs)), arr(*(p[1] for p in pairs))
-        sizes, chunks = sz(*(p[2] for p in pairs)), sz(*(p[3] for p in pairs))
-        cuda = ctypes.byref(self.cuda) if self.cuda is not None else None
-        times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
-        r = self._fn(n, dsts, srcs, sizes, chunks, halves[0], halves[1], events[0], events[1], stream,
-                     half, nthreads, cuda, times, chunks_done, int(skip_half_wait))
+        arr, sz = ctypes.c_void_p * n, ctypes.c_size_t * n
+        return (n, arr(*(p[0] for p in pairs)), arr(*(p[1] for p in pairs)),
+                sz(*(p[2] for p in pairs)), sz(*(p[3] for p in pairs)))
+
+    @staticmethod
+    def _add(counts, times, chunks_done):
         for k, v in zip(("wait_s", "memcpy_s", "issue_s"), times):
             counts[k] += v
         counts["chunks"] += chunks_done[0]
+
+    def d2h(self, pairs, halves, events, stream, nthreads: int, counts: dict, waits=(), record=None):
+        """Device to host (CUDA): pairs (dst host ptr, src device ptr, nbytes, chunk); returns
+        with every byte in the host destinations."""
+        times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
+        r = self._d2h(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream, nthreads,
+                      ctypes.byref(self.cuda), times, chunks_done,
+                      len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
+        self._add(counts, times, chunks_done)
+        if r < 0:
+            raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a device-to-host chunk")
+
+    def h2d(self, pairs, halves, events, stream, half: int, nthreads: int, counts: dict,
+            skip_half_wait: bool = False, waits=(), record=None) -> int:
+        """pairs: (dst_ptr, src_ptr, nbytes, chunk). halves: two pointers; events, stream,
+        waits (events the stream waits for first) and record (an event recorded after the last
+        DMA): raw CUDA handles (ignored on CPU). Adds chunks and wait / memcpy / issue seconds
+        to `counts`. Returns the half the next copy starts in; raises on a CUDA error."""
+        cuda = ctypes.byref(self.cuda) if self.cuda is not None else None
+        times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
+        r = self._fn(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream,
+                     half, nthreads, cuda, times, chunks_done, int(skip_half_wait),
+                     len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
+        self._add(counts, times, chunks_done)
         if r < 0:
             raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a host-to-device chunk")
         return r
@@ -124,7 +147,8 @@ def load_pump(cuda: bool) -> Pump | None:
                             lib = None
                         else:
                             addr = [ctypes.cast(getattr(rt, n), ctypes.c_void_p).value for n in
-                                    ("cudaMemcpyAsync", "cudaEventSynchronize", "cudaEventRecord")]
+                                    ("cudaMemcpyAsync", "cudaEventSynchronize", "cudaEventRecord",
+                                     "cudaStreamWaitEvent")]
                             funcs = _Cuda(*addr)
                     if lib is not None:
                         pump = Pump(lib, funcs)

@@ -20,11 +20,13 @@
 typedef int (*memcpy_async_fn)(void *dst, const void *src, size_t n, int kind, void *stream);
 typedef int (*event_fn)(void *event);                     /* cudaEventSynchronize */
 typedef int (*record_fn)(void *event, void *stream);      /* cudaEventRecord */
+typedef int (*wait_fn)(void *stream, void *event, unsigned flags);  /* cudaStreamWaitEvent */
 
 struct kvf_cuda {
     memcpy_async_fn memcpy_async;
     event_fn event_sync;
     record_fn event_record;
+    wait_fn stream_wait;
 };
 
 static double now(void) {
@@ -49,14 +51,24 @@ static void par_memcpy(char *dst, const char *src, size_t n, int nthreads) {
 }
 
 /* Copies n_pairs (dst, src, size) through two halves in chunks of chunk[i] bytes for pair i,
- * starting in half `h`. times[0..2] accumulate seconds waiting for a half, in memcpy, and
+ * starting in half `h`. On CUDA the stream first waits for the n_waits events in `waits`, and
+ * `record` (when not NULL) is recorded after the last DMA: the whole event-ordered call is one
+ * trip out of Python. times[0..2] accumulate seconds waiting for a half, in memcpy, and
  * issuing; counts[0] accumulates chunks. skip_half_wait is a test-only negative control. Returns the half the next copy starts in (0 or 1), or
  * -1000 - err when a CUDA call fails with err. */
 int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
             char *half0, char *half1, void *ev0, void *ev1, void *stream, int h, int nthreads,
-            const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait) {
+            const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait,
+            int n_waits, void **waits, void *record) {
     char *halves[2] = {half0, half1};
     void *events[2] = {ev0, ev1};
+    for (int i = 0; cuda && i < n_waits; i++) {
+        if (!waits[i])
+            continue;  /* never recorded: nothing to wait for (PyTorch does the same) */
+        int err = cuda->stream_wait(stream, waits[i], 0);
+        if (err)
+            return -1000 - err;
+    }
     for (int p = 0; p < n_pairs; p++) {
         for (size_t off = 0; off < sizes[p]; off += chunk[p]) {
             size_t n = sizes[p] - off < chunk[p] ? sizes[p] - off : chunk[p];
@@ -84,5 +96,63 @@ int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const si
             h ^= 1;
         }
     }
+    if (cuda && record) {
+        int err = cuda->event_record(record, stream);
+        if (err)
+            return -1000 - err;
+    }
     return h;
+}
+
+/* Device to host, for the event-ordered write-backs: after the stream waits for `waits`, each
+ * chunk's DMA goes into a half, and while it runs the previous chunk is drained from the other
+ * half into its pageable destination; `record` is recorded after the last DMA. Returns 0, or
+ * -1000 - err. CUDA only (the CPU path stays in staging.py). */
+int kvf_d2h(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
+            char *half0, char *half1, void *ev0, void *ev1, void *stream, int nthreads,
+            const struct kvf_cuda *cuda, double *times, long *counts,
+            int n_waits, void **waits, void *record) {
+    char *halves[2] = {half0, half1};
+    void *events[2] = {ev0, ev1};
+    int err = 0, h = 0, pend_h = -1;
+    char *pend_dst = NULL;
+    size_t pend_n = 0;
+    for (int i = 0; i < n_waits && !err; i++)
+        if (waits[i])  /* never recorded: nothing to wait for */
+            err = cuda->stream_wait(stream, waits[i], 0);
+    for (int p = 0; p < n_pairs && !err; p++) {
+        for (size_t off = 0; off < sizes[p] && !err; off += chunk[p]) {
+            size_t n = sizes[p] - off < chunk[p] ? sizes[p] - off : chunk[p];
+            double t0 = now();
+            err = cuda->memcpy_async(halves[h], srcs[p] + off, n, 2 /* device to host */, stream);
+            if (!err)
+                err = cuda->event_record(events[h], stream);
+            times[2] += now() - t0;
+            counts[0] += 1;
+            if (!err && pend_h >= 0) {  /* drain the previous chunk under this one's DMA */
+                double t1 = now();
+                err = cuda->event_sync(events[pend_h]);
+                double t2 = now();
+                par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads);
+                times[0] += t2 - t1;
+                times[1] += now() - t2;
+            }
+            pend_h = h;
+            pend_dst = dsts[p] + off;
+            pend_n = n;
+            h ^= 1;
+        }
+    }
+    if (!err && pend_h >= 0) {
+        double t1 = now();
+        err = cuda->event_sync(events[pend_h]);
+        double t2 = now();
+        if (!err)
+            par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads);
+        times[0] += t2 - t1;
+        times[1] += now() - t2;
+    }
+    if (!err && record)
+        err = cuda->event_record(record, stream);
+    return err ? -1000 - err : 0;
 }

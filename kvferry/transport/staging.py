@@ -371,12 +371,16 @@ class StagingBuffer:
         ``waits`` (CUDA events) replace the wait for the caller's stream, ``record`` (a CUDA
         event) is recorded after the last DMA in place of making the caller's stream wait, and
         ``keep`` tensors are marked as used by the copy stream. Each saves the copy thread
-        stream switches and event allocations per call."""
+        stream switches and event allocations per call. With ``waits`` given, the caller keeps
+        its device tensors alive until ``record`` has fired (the compiled pump does not mark
+        them; the transport's ring slots are never freed) or lists them in ``keep``."""
+        pump = self._pump()
+        if pump is not None and self._cuda and waits is not None:
+            return self._pump_event_ordered(pump, pairs, waits, record, keep)
         flat = self._check(pairs, self.device, torch.device("cpu"))
         if not flat and record is None:
             return
         d = self._h2d
-        pump = self._pump()
         with d.lock:
             caller, ctx = self._enter(d, waits)
             h = d.next
@@ -428,6 +432,54 @@ class StagingBuffer:
             self._pump_state = (want, pump)
         return self._pump_state[1]
 
+    def _pump_event_ordered(self, pump, pairs, waits, record, keep, to_device: bool = True) -> None:
+        """The transport's delivery path with the compiled pump: checks without views, then one
+        call that waits, copies and records (each trip into PyTorch from a copy thread is a GIL
+        hand-over with the decode thread). The caller keeps its device tensors alive past the
+        copy (the transport's ring slots are never freed) and passes any others in ``keep``."""
+        raw = []
+        d = self._h2d if to_device else self._d2h
+        dev_side, host_side = ("dst", "src") if to_device else ("src", "dst")
+        for dst, src in pairs:
+            dev_t, host_t = (dst, src) if to_device else (src, dst)
+            if dev_t.device != self.device or host_t.device.type != "cpu":
+                raise ValueError(f"staging copy: {dev_side} must be on {self.device} and {host_side} on "
+                                 f"cpu, got {dev_t.device} and {host_t.device}")
+            n = src.nbytes
+            if dst.nbytes != n:
+                raise ValueError(f"staging copy: size mismatch, src has {n} bytes, dst has {dst.nbytes}")
+            if not (dst.is_contiguous() and src.is_contiguous()):
+                raise ValueError("staging copy: dst and src must be contiguous")
+            if n:
+                raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d)))
+        with d.lock:
+            if raw:
+                self._ensure(d, max(r[3] for r in raw))
+            self._set_device()
+            halves = [t.data_ptr() for t in d.halves] if raw else [None, None]
+            events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
+            nthreads = self.pump_threads or torch.get_num_threads()
+            # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
+            # PyTorch (the pump skips it); one to record is created by recording it here first
+            ev_waits = [e.cuda_event for e in waits]
+            if record is not None and not record.cuda_event:
+                record.record(d.stream)
+            ev_record = record.cuda_event if record is not None else None
+            if to_device:
+                d.next = pump.h2d(raw, halves, events, stream, d.next, nthreads, d.counts,
+                                  self._test_skip_half_wait, ev_waits, ev_record)
+            else:  # returns once every DMA is done: nothing left to mark for the allocator
+                pump.d2h(raw, halves, events, stream, nthreads, d.counts, ev_waits, ev_record)
+            for t in keep if to_device else ():
+                t.record_stream(d.stream)
+            d.counts["copies"] += 1
+            d.counts["bytes"] += sum(r[2] for r in raw)
+
+    def _set_device(self) -> None:
+        # the runtime's calls act on the calling thread's current device; a copy thread keeps it
+        if torch.cuda.current_device() != self.device.index:
+            torch.cuda.set_device(self.device)
+
     def _pump_h2d(self, pump, d: _Direction, flat, h: int) -> int:
         plan = [(dst, src, self._chunk(src.numel(), d)) for dst, src in flat]
         self._ensure(d, max(c for _, _, c in plan))
@@ -450,6 +502,9 @@ class StagingBuffer:
         """``copy_to_host`` for a list of (dst, src) pairs, taking the lock once; ``waits``,
         ``record`` and ``keep`` as in ``copy_all_to_device`` (``record`` marks the device
         tensors as read)."""
+        pump = self._pump()
+        if pump is not None and self._cuda and waits is not None and not self._test_skip_half_wait:
+            return self._pump_event_ordered(pump, pairs, waits, record, keep, to_device=False)
         flat = self._check(pairs, torch.device("cpu"), self.device)
         if not flat and record is None:
             return
