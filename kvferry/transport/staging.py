@@ -235,7 +235,7 @@ class StagingBuffer:
         # uses it on CUDA when it loads, False keeps the Python loop. Switchable between copies.
         self.native = native
         self._pump_state: tuple | None = None  # (native setting, pump or None)
-        self.pump_threads: int | None = None  # memcpy threads of the pump; None = torch's count
+        self.pump_threads: int | None = None  # memcpy threads of the pump; None: see _pump_nthreads
         self._h2d = _Direction(device, "h2d", _test_delay_s)
         self._d2h = _Direction(device, "d2h", _test_delay_s)
         self._peak = 0
@@ -458,7 +458,7 @@ class StagingBuffer:
             self._set_device()
             halves = [t.data_ptr() for t in d.halves] if raw else [None, None]
             events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
-            nthreads = self.pump_threads or torch.get_num_threads()
+            nthreads = self._pump_nthreads()
             # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
             # PyTorch (the pump skips it); one to record is created by recording it here first
             ev_waits = [e.cuda_event for e in waits]
@@ -475,6 +475,12 @@ class StagingBuffer:
             d.counts["copies"] += 1
             d.counts["bytes"] += sum(r[2] for r in raw)
 
+    def _pump_nthreads(self) -> int:
+        # Two cores fewer than PyTorch's intra-op count: the decode thread and the write-back
+        # thread keep a core each while a delivery's memcpy runs beside them. On the H200 machine
+        # 14 of 16 beat 16 (and 10-12) for a copy thread's pump (docs/results.md, issue 4).
+        return self.pump_threads or max(1, torch.get_num_threads() - 2)
+
     def _set_device(self) -> None:
         # the runtime's calls act on the calling thread's current device; a copy thread keeps it
         if torch.cuda.current_device() != self.device.index:
@@ -485,7 +491,7 @@ class StagingBuffer:
         self._ensure(d, max(c for _, _, c in plan))
         pairs = [(dst.data_ptr(), src.data_ptr(), src.numel(), c) for dst, src, c in plan]
         halves = [t.data_ptr() for t in d.halves]
-        nthreads = self.pump_threads or torch.get_num_threads()
+        nthreads = self._pump_nthreads()
         if not self._cuda:  # the "DMA" is a memcpy on the calling thread: nothing in flight
             d.synchronize()  # a Python-loop copy before this one may still be on the worker
             return pump.h2d(pairs, halves, (None, None), None, h, nthreads, d.counts,
