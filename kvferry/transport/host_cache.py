@@ -156,13 +156,14 @@ class HostKVCache(KVCache):
             # the staging streams wait for and record the transport's events themselves
             copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
             copy(jobs, waits=waits, record=record, keep=keep)
-        # Deliveries are staged on the decode thread unless asked otherwise: the host memcpy is
-        # the bottleneck either way, and a second Python thread running the chunk loop loses
-        # time at every GIL hand-over to the decode thread (docs/results.md, issue 4). The
-        # DMAs still run under the compute of earlier layers. Write-backs stay on a thread:
-        # draining one waits for the compute that produced its rows.
+        # Where deliveries are staged (auto): on a copy thread when the compiled pump runs the
+        # chunk loop without the GIL, so the memcpy overlaps the decode thread's work; with the
+        # Python loop on the decode thread, since a second Python thread running it loses time
+        # at every GIL hand-over (docs/results.md, issue 4). Either way the DMAs run under the
+        # compute of earlier layers. Write-backs stay on a thread: draining one waits for the
+        # compute that produced its rows.
         thread = self.kv.staging_thread
-        if thread is None:  # auto: a GIL-free chunk loop can run beside the decode thread
+        if thread is None:
             thread = staging._pump() is not None
         self.staging_thread = thread
         inline = () if thread else (0,)

@@ -145,9 +145,13 @@ def _normalize(device) -> torch.device:
     return device
 
 
-def _flat_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
+def _require_contiguous(t: torch.Tensor, what: str) -> None:
     if not t.is_contiguous():
         raise ValueError(f"staging copy: {what} must be contiguous (got strides {t.stride()})")
+
+
+def _flat_bytes(t: torch.Tensor, what: str) -> torch.Tensor:
+    _require_contiguous(t, what)
     if t.dtype == torch.uint8 and t.dim() == 1:
         return t
     # reshape(-1) first: view(uint8) on a 0-d tensor of a wider dtype is not allowed
@@ -319,16 +323,21 @@ class StagingBuffer:
         d.unpin = weakref.finalize(buf, _unpin, buf.data_ptr(), d.stream)
         return buf
 
+    @staticmethod
+    def _validate(dst, src, dst_dev, src_dev) -> int:
+        """Devices and sizes of one pair; returns its byte count."""
+        for t, dev, what in ((dst, dst_dev, "dst"), (src, src_dev, "src")):
+            if t.device != dev:
+                raise ValueError(f"staging copy: {what} is on {t.device}, expected {dev}")
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"staging copy: size mismatch, src has {src.nbytes} bytes, "
+                             f"dst has {dst.nbytes}")
+        return src.nbytes
+
     def _check(self, pairs, dst_dev, src_dev):
         flat = []
         for dst, src in pairs:
-            for t, dev, what in ((dst, dst_dev, "dst"), (src, src_dev, "src")):
-                if t.device != dev:
-                    raise ValueError(f"staging copy: {what} is on {t.device}, expected {dev}")
-            if dst.nbytes != src.nbytes:
-                raise ValueError(f"staging copy: size mismatch, src has {src.nbytes} bytes, "
-                                 f"dst has {dst.nbytes}")
-            if src.nbytes:
+            if self._validate(dst, src, dst_dev, src_dev):
                 flat.append((_flat_bytes(dst, "dst"), _flat_bytes(src, "src")))
         return flat
 
@@ -386,7 +395,10 @@ class StagingBuffer:
             h = d.next
             c = d.counts
             if pump is not None and flat:
-                h = self._pump_h2d(pump, d, flat, h)
+                raw = [(dst.data_ptr(), src.data_ptr(), src.numel(), self._chunk(src.numel(), d))
+                       for dst, src in flat]
+                with torch.cuda.device(self.device) if self._cuda else _NULL_CTX:
+                    h = self._pump_call(pump, d, raw)
             else:
                 with ctx:
                     h = self._loop_h2d(d, flat, h)
@@ -419,7 +431,9 @@ class StagingBuffer:
         return h
 
     def _pump(self):
-        """The compiled pump to use for the next host-to-device copy, or None (Python loop)."""
+        """The compiled pump to use for the next copy, or None (Python loop). Auto (native None)
+        means CUDA only, and not while the half-wait polling diagnostic (_poll_s) is on, which
+        only the Python loop implements."""
         want = self.native if self.native is not None else (self._cuda and not self._poll_s)
         if not want:
             return None
@@ -433,44 +447,25 @@ class StagingBuffer:
         return self._pump_state[1]
 
     def _pump_event_ordered(self, pump, pairs, waits, record, keep, to_device: bool = True) -> None:
-        """The transport's delivery path with the compiled pump: checks without views, then one
-        call that waits, copies and records (each trip into PyTorch from a copy thread is a GIL
-        hand-over with the decode thread). The caller keeps its device tensors alive past the
-        copy (the transport's ring slots are never freed) and passes any others in ``keep``."""
+        """The transport's deliveries and write-backs with the compiled pump: the checks of
+        ``_check`` without its flat views, then one call that waits, copies and records (each
+        trip into PyTorch from a copy thread is a GIL hand-over with the decode thread). The
+        caller keeps its device tensors alive past the copy (the transport's ring slots are
+        never freed) and passes any others in ``keep``."""
         raw = []
         d = self._h2d if to_device else self._d2h
-        dev_side, host_side = ("dst", "src") if to_device else ("src", "dst")
+        host = torch.device("cpu")
+        dst_dev, src_dev = (self.device, host) if to_device else (host, self.device)
         for dst, src in pairs:
-            dev_t, host_t = (dst, src) if to_device else (src, dst)
-            if dev_t.device != self.device or host_t.device.type != "cpu":
-                raise ValueError(f"staging copy: {dev_side} must be on {self.device} and {host_side} on "
-                                 f"cpu, got {dev_t.device} and {host_t.device}")
-            n = src.nbytes
-            if dst.nbytes != n:
-                raise ValueError(f"staging copy: size mismatch, src has {n} bytes, dst has {dst.nbytes}")
-            if not (dst.is_contiguous() and src.is_contiguous()):
-                raise ValueError("staging copy: dst and src must be contiguous")
-            if n:
+            n = self._validate(dst, src, dst_dev, src_dev)
+            if n:  # as in _check, empty pairs are skipped before the layout is looked at
+                _require_contiguous(dst, "dst")
+                _require_contiguous(src, "src")
                 raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d)))
         with d.lock:
-            if raw:
-                self._ensure(d, max(r[3] for r in raw))
             self._set_device()
-            halves = [t.data_ptr() for t in d.halves] if raw else [None, None]
-            events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
-            nthreads = self._pump_nthreads()
-            # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
-            # PyTorch (the pump skips it); one to record is created by recording it here first
-            ev_waits = [e.cuda_event for e in waits]
-            if record is not None and not record.cuda_event:
-                record.record(d.stream)
-            ev_record = record.cuda_event if record is not None else None
-            if to_device:
-                d.next = pump.h2d(raw, halves, events, stream, d.next, nthreads, d.counts,
-                                  self._test_skip_half_wait, ev_waits, ev_record)
-            else:  # returns once every DMA is done: nothing left to mark for the allocator
-                pump.d2h(raw, halves, events, stream, nthreads, d.counts, ev_waits, ev_record)
-            for t in keep if to_device else ():
+            self._pump_call(pump, d, raw, waits, record)
+            for t in keep if to_device else ():  # device to host: the DMAs are done
                 t.record_stream(d.stream)
             d.counts["copies"] += 1
             d.counts["bytes"] += sum(r[2] for r in raw)
@@ -486,19 +481,32 @@ class StagingBuffer:
         if torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
-    def _pump_h2d(self, pump, d: _Direction, flat, h: int) -> int:
-        plan = [(dst, src, self._chunk(src.numel(), d)) for dst, src in flat]
-        self._ensure(d, max(c for _, _, c in plan))
-        pairs = [(dst.data_ptr(), src.data_ptr(), src.numel(), c) for dst, src, c in plan]
-        halves = [t.data_ptr() for t in d.halves]
+    def _pump_call(self, pump, d: _Direction, raw, waits=(), record=None) -> int:
+        """One copy of ``raw`` (dst_ptr, src_ptr, nbytes, chunk) through the pump, in direction
+        ``d`` (the caller holds its lock and, on CUDA, has made the device current); ``waits``
+        and ``record`` are CUDA events, as in the event-ordered calls. Returns ``d.next``."""
+        if raw:
+            self._ensure(d, max(r[3] for r in raw))
+        halves = [t.data_ptr() for t in d.halves] if raw else [None, None]
         nthreads = self._pump_nthreads()
         if not self._cuda:  # the "DMA" is a memcpy on the calling thread: nothing in flight
             d.synchronize()  # a Python-loop copy before this one may still be on the worker
-            return pump.h2d(pairs, halves, (None, None), None, h, nthreads, d.counts,
-                            self._test_skip_half_wait)
-        with torch.cuda.device(self.device):  # the runtime's calls act on the current device
-            return pump.h2d(pairs, halves, [e.cuda_event for e in d.events], d.stream.cuda_stream,
-                            h, nthreads, d.counts, self._test_skip_half_wait)
+            d.next = pump.h2d(raw, halves, (None, None), None, d.next, nthreads, d.counts,
+                              self._test_skip_half_wait)
+            return d.next
+        events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
+        # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
+        # PyTorch (the pump skips it); one to record is created by recording it here first
+        ev_waits = [e.cuda_event for e in waits]
+        if record is not None and not record.cuda_event:
+            record.record(d.stream)
+        ev_record = record.cuda_event if record is not None else None
+        if d is self._h2d:
+            d.next = pump.h2d(raw, halves, events, stream, d.next, nthreads, d.counts,
+                              self._test_skip_half_wait, ev_waits, ev_record)
+        else:  # returns once every DMA is done
+            pump.d2h(raw, halves, events, stream, nthreads, d.counts, ev_waits, ev_record)
+        return d.next
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy device ``src`` into host ``dst`` (pageable); returns when ``dst`` holds all bytes."""
