@@ -9,7 +9,7 @@
   ceiling       (--ceiling) the fastest host copy we can find, pageable source to two reused
                 24 MiB halves (pinned on CUDA), as the staging loop does: torch copy_ at several
                 thread counts and glibc memmove on several Python threads (ctypes drops the
-                GIL), each alone and while a pinned host-to-device DMA stream runs (CUDA), with
+                GIL) and the staging pump's own memcpy (glibc or streaming stores), each alone and while a pinned host-to-device DMA stream runs (CUDA), with
                 that DMA's own rate. A staged copy cannot beat min(link, this).
 Prints markdown. Use it to tell whether a host is memcpy-bound or launch-bound.
 """
@@ -106,6 +106,18 @@ def _memmove_copier(nt):
     return run
 
 
+def _pump_copier(nt, mode):
+    # the staging pump's own memcpy (pump.c), one call per 24 MiB piece, GIL released
+    from kvferry.transport.native import load_pump
+    pump = load_pump(False)
+
+    def run(src, halves):
+        s0, h0 = src.data_ptr(), [h.data_ptr() for h in halves]
+        for k, off in enumerate(range(0, src.numel(), HALF)):
+            pump.copy(h0[k & 1], s0 + off, min(HALF, src.numel() - off), nt, mode)
+    return run if pump is not None else None
+
+
 def ceiling(total_mib: int, cuda: bool) -> list[str]:
     total = total_mib // 24 * HALF
     src = torch.empty(total, dtype=torch.uint8).fill_(7)  # touched: no first-touch faults timed
@@ -113,6 +125,9 @@ def ceiling(total_mib: int, cuda: bool) -> list[str]:
     default = torch.get_num_threads()
     methods = [(f"torch copy_, {n} threads", _torch_copier(n)) for n in (4, 8, 16) if n <= max(default, 4)]
     methods += [(f"glibc memmove, {n} Python threads", _memmove_copier(n)) for n in (1, 4, 8, 16)]
+    methods += [(f"pump {mode}, {n} threads", _pump_copier(n, mode)) for mode in ("memcpy", "stream")
+                for n in (8, 14, 16)]
+    methods = [(name, fn) for name, fn in methods if fn is not None]
     lines = [f"host copy ceiling: {total / MIB:.0f} MiB pageable source into two 24 MiB "
              f"{'pinned ' if cuda else ''}halves", "",
              "| method | alone GB/s | with a DMA stream GB/s | that DMA GB/s |", "|---|---:|---:|---:|"]

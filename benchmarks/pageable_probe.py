@@ -16,6 +16,7 @@ the host memcpy, and spent issuing DMAs. A variant is `name:key=value,...` with 
   thread    1: deliveries staged on a copy thread (--staging-on thread), 0: on the decode thread
   native    1: host-to-device chunks through the compiled pump, 0: the Python chunk loop
   pump_threads  memcpy threads of the compiled pump (0: torch's intra-op count)
+  stream    1: the pump's memcpy with non-temporal (streaming) stores, 0: glibc memcpy
 Writes DIR/pageable_probe.md and .json. Diagnostic only: the bench's pin arm is the measure.
 """
 
@@ -77,6 +78,7 @@ def main():
     base["thread"] = 0.0 if 0 in pageable_engine.inline_lanes else 1.0
     base["native"] = 1.0 if staging._pump() is not None else 0.0
     base["pump_threads"] = 0.0
+    base["stream"] = 1.0 if staging.pump_copy == "stream" else 0.0
 
     def apply(knobs):
         k = {**base, **knobs}
@@ -91,6 +93,7 @@ def main():
         pageable_engine.inline_lanes = frozenset() if k["thread"] else frozenset((0,))
         staging.native = bool(k["native"])
         staging.pump_threads = int(k["pump_threads"]) or None
+        staging.pump_copy = "stream" if k["stream"] else "memcpy"
         return k
 
     def timed(cfg):

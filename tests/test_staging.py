@@ -396,9 +396,10 @@ def _pump_or_skip(cuda: bool):
         pytest.skip("the compiled staging pump could not be built here (no C compiler?)")
 
 
+@pytest.mark.parametrize("mode", ["memcpy", "stream"])
 @pytest.mark.parametrize("threads", [1, 4])
 @pytest.mark.parametrize("n", [CAP, CAP + 1, 2 * CAP + 12_345, 40 * CAP + 3])
-def test_pump_copies_like_the_python_loop(n, threads):
+def test_pump_copies_like_the_python_loop(n, threads, mode):
     # The compiled chunk pump walks the same chunks through the same halves as the Python loop:
     # every byte arrives, guards stay, the cap holds, and the chunk counts agree.
     _pump_or_skip(False)
@@ -406,10 +407,30 @@ def test_pump_copies_like_the_python_loop(n, threads):
     for native in (True, False):
         buf = StagingBuffer(CPU, CAP, native=native)
         buf.pump_threads = threads
+        buf.pump_copy = mode
         assert _round_trip(buf, n, seed=n + threads)
         counts[native] = buf.stats()["h2d"]["chunks"]
         assert buf.pinned_bytes == CAP
     assert counts[True] == counts[False] > 1
+
+
+@pytest.mark.parametrize("mode", ["memcpy", "stream"])
+def test_pump_memcpy_modes_copy_every_byte_at_any_alignment(mode):
+    # The pump's memcpy on its own, at sizes around the threading (1 MiB) and line (64 B) edges
+    # and at odd offsets of both ends: the streaming-store path has a head to a 64-byte line of
+    # the destination, a body of whole lines and a tail, each of which must land exactly.
+    _pump_or_skip(False)
+    from kvferry.transport.native import load_pump
+    pump = load_pump(False)
+    sizes = [0, 1, 63, 255, 256, 257, 4096 + 65, (1 << 20) - 1, (1 << 20) + 4097, 3 * (1 << 20) + 13]
+    for k, n in enumerate(sizes):
+        for s_off, d_off in ((0, 0), (1, 63), (37, 5), (64, 0)):
+            src = _random_bytes(n + 2 * GUARD, seed=k + s_off)
+            dst = torch.zeros(n + 2 * GUARD, dtype=torch.uint8)
+            a, b = GUARD + s_off, GUARD + d_off
+            pump.copy(dst.data_ptr() + b, src.data_ptr() + a, n, 4, mode)
+            assert torch.equal(dst[b:b + n], src[a:a + n]), (mode, n, s_off, d_off)
+            assert not dst[:b].any() and not dst[b + n:].any(), (mode, n, s_off, d_off)
 
 
 def test_pump_streams_several_pairs_and_alternates_halves():

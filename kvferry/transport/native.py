@@ -24,6 +24,8 @@ log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("pump.c")
 _LOCK = threading.Lock()
 _STATE: dict = {}
+# the host memcpy's stores (pump.c): glibc memcpy, or non-temporal (streaming) stores
+COPY_MODES = {"memcpy": 0, "stream": 1}
 
 
 class _Cuda(ctypes.Structure):
@@ -35,13 +37,16 @@ class Pump:
     def __init__(self, lib: ctypes.CDLL, cuda: _Cuda | None):
         self._fn = lib.kvf_h2d
         P = ctypes.c_void_p
-        self._fn.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int, P, P, P,
-                             ctypes.c_int, ctypes.c_int, P, P]
+        self._fn.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int, P, P, P, ctypes.c_int, ctypes.c_int, P, P]
         self._fn.restype = ctypes.c_int
         self._d2h = lib.kvf_d2h
-        self._d2h.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, P, P, P,
-                              ctypes.c_int, P, P]
+        self._d2h.argtypes = [ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int,
+                              P, P, P, ctypes.c_int, P, P]
         self._d2h.restype = ctypes.c_int
+        self._copy = lib.kvf_copy
+        self._copy.argtypes = [P, P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
+        self._copy.restype = None
         self.cuda = cuda
 
     @staticmethod
@@ -57,27 +62,32 @@ class Pump:
             counts[k] += v
         counts["chunks"] += chunks_done[0]
 
-    def d2h(self, pairs, halves, events, stream, nthreads: int, counts: dict, waits=(), record=None):
+    def copy(self, dst: int, src: int, n: int, nthreads: int, mode: str = "memcpy") -> None:
+        """The pump's host memcpy alone (benchmarks): n bytes from src to dst pointers."""
+        self._copy(dst, src, n, nthreads, COPY_MODES[mode])
+
+    def d2h(self, pairs, halves, events, stream, nthreads: int, counts: dict, waits=(), record=None,
+            mode: str = "memcpy"):
         """Device to host (CUDA): pairs (dst host ptr, src device ptr, nbytes, chunk); returns
         with every byte in the host destinations."""
         times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
         r = self._d2h(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream, nthreads,
-                      ctypes.byref(self.cuda), times, chunks_done,
+                      COPY_MODES[mode], ctypes.byref(self.cuda), times, chunks_done,
                       len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
         self._add(counts, times, chunks_done)
         if r < 0:
             raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a device-to-host chunk")
 
     def h2d(self, pairs, halves, events, stream, half: int, nthreads: int, counts: dict,
-            skip_half_wait: bool = False, waits=(), record=None) -> int:
+            skip_half_wait: bool = False, waits=(), record=None, mode: str = "memcpy") -> int:
         """pairs: (dst_ptr, src_ptr, nbytes, chunk). halves: two pointers; events, stream,
         waits (events the stream waits for first) and record (an event recorded after the last
-        DMA): raw CUDA handles (ignored on CPU). Adds chunks and wait / memcpy / issue seconds
+        DMA): raw CUDA handles (ignored on CPU). mode: a COPY_MODES key. Adds chunks and wait / memcpy / issue seconds
         to `counts`. Returns the half the next copy starts in; raises on a CUDA error."""
         cuda = ctypes.byref(self.cuda) if self.cuda is not None else None
         times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
         r = self._fn(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream,
-                     half, nthreads, cuda, times, chunks_done, int(skip_half_wait),
+                     half, nthreads, COPY_MODES[mode], cuda, times, chunks_done, int(skip_half_wait),
                      len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
         self._add(counts, times, chunks_done)
         if r < 0:

@@ -14,8 +14,12 @@
  * the destination (CPU), which lets the loop run where there is no GPU.
  */
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 #include <time.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 typedef int (*memcpy_async_fn)(void *dst, const void *src, size_t n, int kind, void *stream);
 typedef int (*event_fn)(void *event);                     /* cudaEventSynchronize */
@@ -35,10 +39,43 @@ static double now(void) {
     return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void par_memcpy(char *dst, const char *src, size_t n, int nthreads) {
+/* Copy modes: KVF_COPY_MEMCPY is glibc's memcpy; KVF_COPY_STREAM writes with non-temporal
+ * (streaming) stores, which skip reading the destination's lines into the cache before
+ * overwriting them and leave no dirty lines for the DMA engine to snoop. glibc switches to such
+ * stores only above a size threshold that the per-thread pieces here stay under. Where the
+ * CPU has no such stores (not x86-64), STREAM is memcpy. */
+enum { KVF_COPY_MEMCPY = 0, KVF_COPY_STREAM = 1 };
+
+static void copy_piece(char *dst, const char *src, size_t n, int mode) {
+#if defined(__x86_64__)
+    if (mode == KVF_COPY_STREAM && n >= 256) {
+        size_t head = (64 - ((uintptr_t)dst & 63)) & 63;  /* to a cache line of dst */
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        _mm_sfence();  /* the streamed lines are visible before this thread's next store */
+        memcpy(dst + body, src + body, n - body);
+        return;
+    }
+#endif
+    (void)mode;
+    memcpy(dst, src, n);
+}
+
+static void par_memcpy(char *dst, const char *src, size_t n, int nthreads, int mode) {
     /* one piece per thread, cut at 4 KiB so no two threads write one page */
-    if (nthreads <= 1 || n < ((size_t)1 << 20)) {
-        memcpy(dst, src, n);
+    if (nthreads <= 1 || n < ((size_t)256 << 10)) {
+        copy_piece(dst, src, n, mode);
         return;
     }
     size_t piece = (n / nthreads + 4095) & ~(size_t)4095;
@@ -46,19 +83,24 @@ static void par_memcpy(char *dst, const char *src, size_t n, int nthreads) {
     for (int i = 0; i < nthreads; i++) {
         size_t off = (size_t)i * piece;
         if (off < n)
-            memcpy(dst + off, src + off, n - off < piece ? n - off : piece);
+            copy_piece(dst + off, src + off, n - off < piece ? n - off : piece, mode);
     }
 }
 
+/* The memcpy alone, for benchmarks/host_copy_probe.py. */
+void kvf_copy(char *dst, const char *src, size_t n, int nthreads, int mode) {
+    par_memcpy(dst, src, n, nthreads, mode);
+}
+
 /* Copies n_pairs (dst, src, size) through two halves in chunks of chunk[i] bytes for pair i,
- * starting in half `h`. On CUDA the stream first waits for the n_waits events in `waits`, and
+ * starting in half `h`, the memcpy in copy mode `mode`. On CUDA the stream first waits for the n_waits events in `waits`, and
  * `record` (when not NULL) is recorded after the last DMA: the whole event-ordered call is one
  * trip out of Python. times[0..2] accumulate seconds waiting for a half, in memcpy, and
  * issuing; counts[0] accumulates chunks. skip_half_wait is a test-only negative control. Returns the half the next copy starts in (0 or 1), or
  * -1000 - err when a CUDA call fails with err. */
 int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
             char *half0, char *half1, void *ev0, void *ev1, void *stream, int h, int nthreads,
-            const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait,
+            int mode, const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait,
             int n_waits, void **waits, void *record) {
     char *halves[2] = {half0, half1};
     void *events[2] = {ev0, ev1};
@@ -78,7 +120,7 @@ int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const si
             if (err)
                 return -1000 - err;
             double t1 = now();
-            par_memcpy(halves[h], srcs[p] + off, n, nthreads);
+            par_memcpy(halves[h], srcs[p] + off, n, nthreads, mode);
             double t2 = now();
             if (cuda) {
                 err = cuda->memcpy_async(dsts[p] + off, halves[h], n, 1 /* host to device */, stream);
@@ -110,7 +152,7 @@ int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const si
  * -1000 - err. CUDA only (the CPU path stays in staging.py). */
 int kvf_d2h(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
             char *half0, char *half1, void *ev0, void *ev1, void *stream, int nthreads,
-            const struct kvf_cuda *cuda, double *times, long *counts,
+            int mode, const struct kvf_cuda *cuda, double *times, long *counts,
             int n_waits, void **waits, void *record) {
     char *halves[2] = {half0, half1};
     void *events[2] = {ev0, ev1};
@@ -133,7 +175,7 @@ int kvf_d2h(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const si
                 double t1 = now();
                 err = cuda->event_sync(events[pend_h]);
                 double t2 = now();
-                par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads);
+                par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads, mode);
                 times[0] += t2 - t1;
                 times[1] += now() - t2;
             }
@@ -148,7 +190,7 @@ int kvf_d2h(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const si
         err = cuda->event_sync(events[pend_h]);
         double t2 = now();
         if (!err)
-            par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads);
+            par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads, mode);
         times[0] += t2 - t1;
         times[1] += now() - t2;
     }

@@ -22,6 +22,7 @@ path this replaces), and CUDA's driver-side staging is neither capped nor overla
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -47,6 +48,8 @@ DEFAULT_SPLIT = 4
 # device to host (8 MiB halves): deliveries carry the bulk of the bytes (a whole context per
 # decode step), write-backs a few rows.
 DEFAULT_H2D_SHARE = 0.75
+# The pump's memcpy stores (native.COPY_MODES); KVFERRY_PUMP_COPY overrides, for benchmarks.
+DEFAULT_PUMP_COPY = os.environ.get("KVFERRY_PUMP_COPY", "memcpy")
 
 
 class _HostEvent:
@@ -240,6 +243,11 @@ class StagingBuffer:
         self.native = native
         self._pump_state: tuple | None = None  # (native setting, pump or None)
         self.pump_threads: int | None = None  # memcpy threads of the pump; None: see _pump_nthreads
+        # the pump's memcpy stores (native.COPY_MODES): "memcpy" (glibc) or "stream" (non-temporal)
+        self.pump_copy = DEFAULT_PUMP_COPY
+        if self.pump_copy not in ("memcpy", "stream"):
+            raise ValueError(f"staging: unknown pump copy mode {self.pump_copy!r} (KVFERRY_PUMP_COPY?); "
+                             "use 'memcpy' or 'stream'")
         self._h2d = _Direction(device, "h2d", _test_delay_s)
         self._d2h = _Direction(device, "d2h", _test_delay_s)
         self._peak = 0
@@ -492,7 +500,7 @@ class StagingBuffer:
         if not self._cuda:  # the "DMA" is a memcpy on the calling thread: nothing in flight
             d.synchronize()  # a Python-loop copy before this one may still be on the worker
             d.next = pump.h2d(raw, halves, (None, None), None, d.next, nthreads, d.counts,
-                              self._test_skip_half_wait)
+                              self._test_skip_half_wait, mode=self.pump_copy)
             return d.next
         events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
         # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
@@ -503,9 +511,9 @@ class StagingBuffer:
         ev_record = record.cuda_event if record is not None else None
         if d is self._h2d:
             d.next = pump.h2d(raw, halves, events, stream, d.next, nthreads, d.counts,
-                              self._test_skip_half_wait, ev_waits, ev_record)
+                              self._test_skip_half_wait, ev_waits, ev_record, self.pump_copy)
         else:  # returns once every DMA is done
-            pump.d2h(raw, halves, events, stream, nthreads, d.counts, ev_waits, ev_record)
+            pump.d2h(raw, halves, events, stream, nthreads, d.counts, ev_waits, ev_record, self.pump_copy)
         return d.next
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor) -> None:
