@@ -22,7 +22,7 @@ fi
 if on probe; then
   python3 benchmarks/pageable_probe.py --out "$OUT/probe" \
     --variants "${PROBE_VARIANTS:-auto:;pump_on_decode:thread=0;pump_t14:pump_threads=14;pump_t8:pump_threads=8;python_thread:native=0,thread=1;python_decode:native=0,thread=0;auto_again:}" \
-    -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd 2 --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
+    -- --random-weights llama3-8b --layers 8 -d 16384 -kvpd ${PROBE_KVPD:-2} --device cuda 2> "$OUT/probe.log"; echo "probe rc=$?"
   cat "$OUT/probe/pageable_probe.md"
 fi
 # PUMP_COPIES: the pump's memcpy stores to run the bandwidth and decode sections with
@@ -38,7 +38,7 @@ fi
 if on decode; then
   for pc in ${PUMP_COPIES:-memcpy}; do for mode in ${DECODE_MODES:-auto decode}; do
     f="$OUT/bench_pageable_${mode}_$pc"
-    KVFERRY_PUMP_COPY=$pc python3 -m kvferry bench --random-weights llama3-8b -p 0 -n 32 -d 16384 -r 3 -nkvo 1 -kvpd 1,2 \
+    KVFERRY_PUMP_COPY=$pc python3 -m kvferry bench --random-weights llama3-8b -p 0 -n 32 -d 16384 -r 3 -nkvo 1 -kvpd ${DECODE_KVPD:-1,2} \
       -pin 1,0 --device cuda --staging-on $mode -o json > "$f.json" 2> "$f.log"; echo "pageable $mode $pc rc=$?"
     python3 - "$f.json" "$mode, $pc" <<'PY'
 import json, sys

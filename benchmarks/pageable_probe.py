@@ -107,7 +107,8 @@ def main():
         sync()
         s0 = staging.stats()
         e = eng.cache.engine
-        e0 = (list(getattr(e, "lane_busy_s", [0, 0])), list(getattr(e, "lane_wait_s", [0, 0])), getattr(e, "compute_wait_s", 0))
+        e0 = (list(getattr(e, "lane_busy_s", [0, 0])), list(getattr(e, "lane_wait_s", [0, 0])), getattr(e, "compute_wait_s", 0),
+              list(getattr(e, "lane_idle_s", [0, 0])))
         times = []
         for i in range(a.steps):
             t0 = time.perf_counter()
@@ -115,12 +116,14 @@ def main():
             times.append(time.perf_counter() - t0)
         sync()
         s1 = staging.stats()
-        e1 = (list(getattr(e, "lane_busy_s", [0, 0])), list(getattr(e, "lane_wait_s", [0, 0])), getattr(e, "compute_wait_s", 0))
+        e1 = (list(getattr(e, "lane_busy_s", [0, 0])), list(getattr(e, "lane_wait_s", [0, 0])), getattr(e, "compute_wait_s", 0),
+              list(getattr(e, "lane_idle_s", [0, 0])))
         eng.cache.truncate(0, depth)
         per = dict(lane0_busy_s=(e1[0][0] - e0[0][0]) / a.steps, lane0_wait_s=(e1[1][0] - e0[1][0]) / a.steps,
-                   compute_wait_s=(e1[2] - e0[2]) / a.steps)
+                   compute_wait_s=(e1[2] - e0[2]) / a.steps, lane0_idle_s=(e1[3][0] - e0[3][0]) / a.steps)
         for d in ("h2d", "d2h"):
-            per[d] = {k: (s1[d][k] - s0[d][k]) / a.steps for k in ("chunks", "bytes", "wait_s", "memcpy_s", "issue_s")}
+            per[d] = {k: (s1[d][k] - s0[d][k]) / a.steps for k in ("chunks", "bytes", "wait_s", "memcpy_s", "issue_s",
+                                                                 "call_s", "entry_s")}
         return statistics.median(times), per
 
     pinned_cfg, pageable_cfg = b.cfgs[0], b.cfgs[1]
@@ -129,7 +132,7 @@ def main():
              f"{step_bytes / MIB:.0f} MiB ferried per step, {eng.device}, median of {a.steps} steps")
     lines += [title, "", "| variant | knobs | pinned ms | pageable ms | pageable % of pinned | h2d wait ms | "
               "h2d memcpy ms | h2d memcpy GB/s | h2d issue ms | h2d chunks | d2h ms | lane 0 busy ms | lane 0 event wait ms | "
-              "compute waits ms |", "|" + "---|" * 14]
+              "compute waits ms | h2d pump call ms | h2d staging entry ms | lane 0 idle ms |", "|" + "---|" * 17]
     for name, knobs in parse_variants(a.variants):
         k = apply(knobs)
         t_pin, _ = timed(pinned_cfg)
@@ -143,7 +146,9 @@ def main():
         line = (f"| {name} | {knob_s} | {t_pin * 1e3:.1f} | {t_pg * 1e3:.1f} | {row['pct_of_pinned']:.0f}% | "
                 f"{h['wait_s'] * 1e3:.1f} | {h['memcpy_s'] * 1e3:.1f} | {gbps:.1f} | {h['issue_s'] * 1e3:.1f} | "
                 f"{h['chunks']:.0f} | {(w['wait_s'] + w['memcpy_s'] + w['issue_s']) * 1e3:.1f} | "
-                f"{per['lane0_busy_s'] * 1e3:.1f} | {per['lane0_wait_s'] * 1e3:.1f} | {per['compute_wait_s'] * 1e3:.1f} |")
+                f"{per['lane0_busy_s'] * 1e3:.1f} | {per['lane0_wait_s'] * 1e3:.1f} | {per['compute_wait_s'] * 1e3:.1f} | "
+                f"{h['call_s'] * 1e3:.1f} | {h['entry_s'] * 1e3:.1f} | "
+                f"{per['lane0_idle_s'] * 1e3:.1f} |")
         lines.append(line)
         print(line, file=sys.stderr, flush=True)
     apply({})

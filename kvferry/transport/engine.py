@@ -173,6 +173,7 @@ class ThreadCopyEngine(CopyEngine):
         # of that spent waiting for its events; the compute thread's seconds waiting for copies
         self.lane_busy_s = [0.0, 0.0]
         self.lane_wait_s = [0.0, 0.0]
+        self.lane_idle_s = [0.0, 0.0]  # a worker's seconds waiting for its next job
         self.compute_wait_s = 0.0
         self._workers = [threading.Thread(target=self._run, args=(lane,), name=f"kvferry-copy{lane}", daemon=True)
                          for lane in range(2)]
@@ -213,7 +214,9 @@ class ThreadCopyEngine(CopyEngine):
         q = self._queues[lane]
         rng = random.Random(self._rng.random() + lane)
         while True:
+            t0 = time.perf_counter()
             item = q.get()
+            self.lane_idle_s[lane] += time.perf_counter() - t0
             if item is None:
                 return
             jobs, gens, sig, keep = item

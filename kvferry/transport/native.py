@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,11 @@ class Pump:
         """Device to host (CUDA): pairs (dst host ptr, src device ptr, nbytes, chunk); returns
         with every byte in the host destinations."""
         times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
+        t0 = time.perf_counter()
         r = self._d2h(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream, nthreads,
                       COPY_MODES[mode], ctypes.byref(self.cuda), times, chunks_done,
                       len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
+        counts["call_s"] = counts.get("call_s", 0.0) + time.perf_counter() - t0
         self._add(counts, times, chunks_done)
         if r < 0:
             raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a device-to-host chunk")
@@ -86,9 +89,11 @@ class Pump:
         to `counts`. Returns the half the next copy starts in; raises on a CUDA error."""
         cuda = ctypes.byref(self.cuda) if self.cuda is not None else None
         times, chunks_done = (ctypes.c_double * 3)(), (ctypes.c_long * 1)()
+        t0 = time.perf_counter()
         r = self._fn(*self._arrays(pairs), halves[0], halves[1], events[0], events[1], stream,
                      half, nthreads, COPY_MODES[mode], cuda, times, chunks_done, int(skip_half_wait),
                      len(waits), (ctypes.c_void_p * max(1, len(waits)))(*waits), record)
+        counts["call_s"] = counts.get("call_s", 0.0) + time.perf_counter() - t0
         self._add(counts, times, chunks_done)
         if r < 0:
             raise RuntimeError(f"staging pump: CUDA error {-1000 - r} in a host-to-device chunk")

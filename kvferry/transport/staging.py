@@ -176,7 +176,10 @@ class _Direction:
         # memcpy of one small copy overlaps the DMA of the one before it
         self.next = 0
         # host-side accounting (stats()): where a copy's time goes on the calling thread
-        self.counts = dict(copies=0, chunks=0, bytes=0, wait_s=0.0, memcpy_s=0.0, issue_s=0.0)
+        # call_s: wall time of the pump's C calls (native.py); entry_s: of event-ordered calls from entry to exit
+        # (both with the pump; what they hold beyond wait + memcpy + issue is overhead)
+        self.counts = dict(copies=0, chunks=0, bytes=0, wait_s=0.0, memcpy_s=0.0, issue_s=0.0,
+                           call_s=0.0, entry_s=0.0)
         self.worker: _CopyWorker | None = None
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
@@ -460,6 +463,7 @@ class StagingBuffer:
         trip into PyTorch from a copy thread is a GIL hand-over with the decode thread). The
         caller keeps its device tensors alive past the copy (the transport's ring slots are
         never freed) and passes any others in ``keep``."""
+        t0 = time.perf_counter()
         raw = []
         d = self._h2d if to_device else self._d2h
         host = torch.device("cpu")
@@ -477,6 +481,7 @@ class StagingBuffer:
                 t.record_stream(d.stream)
             d.counts["copies"] += 1
             d.counts["bytes"] += sum(r[2] for r in raw)
+            d.counts["entry_s"] += time.perf_counter() - t0
 
     def _pump_nthreads(self) -> int:
         # Two cores fewer than PyTorch's intra-op count: the decode thread and the write-back
