@@ -68,8 +68,9 @@ def main():
         return engines[key]
 
     placements = {"device": {}, "host-ordered": dict(offload=True, depth=0), "host-kvpd1": dict(offload=True, depth=1),
-                  "host-kvpd4": dict(offload=True, depth=4), "host-pageable-kvpd1": dict(offload=True, depth=1, pinned=False),
-                  "host-pageable-thread-kvpd2": dict(offload=True, depth=2, pinned=False, staging_thread=True)}
+                  "host-kvpd4": dict(offload=True, depth=4), "host-pageable-kvpd1": dict(offload=True, depth=1, pinned=False, staging_on="decode"),
+                  "host-pageable-thread-kvpd2": dict(offload=True, depth=2, pinned=False, staging_on="thread"),
+                  "host-pageable-worker-kvpd2": dict(offload=True, depth=2, pinned=False, staging_on="worker")}
     for np_, n in ((1, a.n1), (8, a.n8)):
         base = engine(np_)
         if base.tokenizer is None:  # random weights: random prompts, a different one per sequence

@@ -13,7 +13,8 @@ the host memcpy, and spent issuing DMAs. A variant is `name:key=value,...` with 
   min_mib   staging minimum chunk (MiB);  split  staging split;  cap_mib  staging cap (MiB)
   h2d_share the cap's share for host-to-device halves
   poll_us   wait for a half by polling its event with sleeps of this many us (-1: driver wait)
-  thread    1: deliveries staged on a copy thread (--staging-on thread), 0: on the decode thread
+  worker    1: deliveries on the pump's C worker thread (--staging-on worker); 0: as `thread` says
+  thread    1: deliveries staged on a Python copy thread (--staging-on thread), 0: on the decode thread
   native    1: host-to-device chunks through the compiled pump, 0: the Python chunk loop
   pump_threads  memcpy threads of the compiled pump (0: torch's intra-op count)
   stream    1: the pump's memcpy with non-temporal (streaming) stores, 0: glibc memcpy
@@ -76,6 +77,11 @@ def main():
                 h2d_share=staging.h2d_share, poll_us=-1)
     pageable_engine = b.cache_for(b.cfgs[1]).engine
     base["thread"] = 0.0 if 0 in pageable_engine.inline_lanes else 1.0
+    base["worker"] = 1.0 if pageable_engine.native is not None else 0.0
+    worker_t = pageable_engine.native
+    if worker_t is None and staging.worker_pump() is not None:
+        worker_t = (staging.submit_to_device, lambda ctr, gen: staging.wait_signal((ctr, gen)),
+                    staging.synchronize, staging.worker_pump().store)
     base["native"] = 1.0 if staging._pump() is not None else 0.0
     base["pump_threads"] = 0.0
     base["stream"] = 1.0 if staging.pump_copy == "stream" else 0.0
@@ -90,7 +96,8 @@ def main():
         staging.h2d_share = k["h2d_share"]
         staging._poll_s = None if k["poll_us"] < 0 else k["poll_us"] * 1e-6
         pageable_engine.fence()
-        pageable_engine.inline_lanes = frozenset() if k["thread"] else frozenset((0,))
+        pageable_engine.inline_lanes = frozenset() if k["thread"] or k["worker"] else frozenset((0,))
+        pageable_engine.native = worker_t if k["worker"] else None
         staging.native = bool(k["native"])
         staging.pump_threads = int(k["pump_threads"]) or None
         staging.pump_copy = "stream" if k["stream"] else "memcpy"

@@ -466,3 +466,92 @@ def test_cuda_pump_half_wait_is_what_keeps_data_intact():
 
     assert not trip(True), "skipping the half wait went unnoticed"
     assert trip(False)
+
+
+def test_worker_waits_for_its_gate_then_copies_in_order_off_the_caller():
+    # The delivery worker (a C thread) holds a job until its gate counter reaches the job's
+    # generation, then copies; jobs run in submission order; a Python-side copy on the same
+    # buffer first lets the worker finish. The gate check is also the negative control: a
+    # worker that ignored gates would have written before the gate was set.
+    import ctypes
+    import time
+
+    _pump_or_skip(False)
+    buf = StagingBuffer(CPU, CAP, native=True)
+    n = 3 * CAP + 777
+    a, b = _random_bytes(n, seed=1), _random_bytes(n, seed=2)
+    dst = torch.zeros(n, dtype=torch.uint8)
+    gate, sig = ctypes.c_longlong(0), ctypes.c_longlong(0)
+    buf.submit_to_device([(dst, a)], gates=[(gate, 1)], signal=(sig, 1))
+    buf.submit_to_device([(dst, b)], signal=(sig, 2))  # queued behind the gated job
+    time.sleep(0.05)
+    assert sig.value == 0 and not dst.any(), "the worker ran a job before its gate was set"
+    gate.value = 1
+    buf.wait_signal((sig, 2))
+    assert torch.equal(dst, b), "jobs ran out of submission order"
+    # a Python-side copy after queued jobs: they land first, then it does
+    other = torch.zeros(n, dtype=torch.uint8)
+    buf.submit_to_device([(dst, a)], signal=(sig, 3))
+    buf.copy_to_device(other, b)
+    assert sig.value == 3 and torch.equal(dst, a) and torch.equal(other, b)
+    # and the worker picks up after it (halves, alternation), with a copy that grows the halves
+    big = _random_bytes(40 * CAP + 3, seed=3)
+    out = torch.zeros_like(big)
+    buf.submit_to_device([(out, big)], signal=(sig, 4))
+    buf.wait_signal((sig, 4))
+    assert torch.equal(out, big) and buf.pinned_bytes <= CAP
+    assert buf.stats()["h2d"]["chunks"] > 40
+    buf.close()
+
+
+def test_worker_rejects_a_bad_pair_before_queueing():
+    _pump_or_skip(False)
+    import ctypes
+    buf = StagingBuffer(CPU, CAP, native=True)
+    sig = ctypes.c_longlong(0)
+    with pytest.raises(ValueError):
+        buf.submit_to_device([(torch.zeros(10, dtype=torch.uint8), torch.zeros(11, dtype=torch.uint8))],
+                             signal=(sig, 1))
+    assert sig.value == 0  # nothing was queued: the caller marks its signal itself
+    src = _random_bytes(100, seed=4)
+    dst = torch.zeros(100, dtype=torch.uint8)
+    buf.submit_to_device([(dst, src)], signal=(sig, 1))  # the worker still takes jobs
+    buf.wait_signal((sig, 1))
+    assert torch.equal(dst, src)
+    buf.close()
+
+
+@cuda_only
+def test_cuda_worker_orders_by_events_and_signals_after_issue():
+    # The delivery worker on CUDA: its stream waits for the job's CUDA events (after the gate),
+    # the record fires after the DMAs, and the signal counter is set once the record is issued.
+    # Negative control: the same job without the event wait is overwritten by the producer.
+    import ctypes
+    _pump_or_skip(True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 3 * (8 << 20) + 12_345
+    producer = torch.cuda.Stream(dev)
+
+    def trip(with_wait: bool) -> bool:
+        buf = StagingBuffer(dev, 16 << 20, min_chunk_bytes=1 << 20, native=True)
+        src = _random_bytes(n, seed=61)
+        ready, done = torch.cuda.Event(), torch.cuda.Event()
+        gate, sig = ctypes.c_longlong(0), ctypes.c_longlong(0)
+        d = torch.zeros(n, dtype=torch.uint8, device=dev)
+        with torch.cuda.stream(producer):
+            torch.cuda._sleep(200_000_000)
+            d.fill_(7)
+            ready.record(producer)
+        gate.value = 1  # "recorded": the worker may issue its stream wait now
+        buf.submit_to_device([(d, src)], waits=[ready] if with_wait else [], gates=[(gate, 1)],
+                             record=done, signal=(sig, 1))
+        buf.wait_signal((sig, 1))
+        torch.cuda.current_stream(dev).wait_event(done)
+        torch.cuda.current_stream(dev).wait_event(ready)
+        ok = torch.equal(d.cpu(), src)
+        assert buf.stats()["h2d"]["chunks"] >= 3
+        buf.close()
+        return ok
+
+    assert trip(True)
+    assert not trip(False), "a worker job without the event wait went unnoticed"

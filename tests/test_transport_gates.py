@@ -171,6 +171,37 @@ def test_slow_write_backs_change_nothing():
     _assert_same({"device": ref, "slow-write-backs": got})
 
 
+@pytest.mark.parametrize("broken", [{}, dict(_unsafe_skip_writeback_wait=True)])
+def test_worker_deliveries_behind_slow_write_backs(broken):
+    """Pageable deliveries on the pump's C worker thread, write-backs slowed down: the output
+    stays that of a device-resident cache (the worker holds each delivery until its waits
+    are recorded: its gates, tests/test_staging.py). Negative control: without the
+    write-back waits, the gate catches the reads of rows not yet written back."""
+    from kvferry.transport.native import load_pump
+    if load_pump(False) is None:
+        pytest.skip("the compiled staging pump could not be built here (no C compiler?)")
+    ref_eng = _engine({}, np_=8)
+    prompts = _prompts(ref_eng, 8)
+    ref = _run(ref_eng, prompts, 6)
+    eng = _engine(dict(offload=True, depth=2, pinned=False, staging_on="worker"), np_=8)
+    caught = False
+    for seed in range(4 if broken else 1):
+        old = _with_cache(eng, _delay_s={1: (0.01, 0.02)}, _seed=seed, **broken)
+        assert eng.cache.staging_on == "worker" and eng.cache.engine.native is not None
+        try:
+            got = _run(eng, prompts, 6)
+        finally:
+            _restore(eng, old)
+        try:
+            _assert_same({"device": ref, "worker-slow-write-backs": got})
+        except AssertionError:
+            if not broken:
+                raise
+            caught = True
+            break
+    assert caught == bool(broken), f"the gate did not catch {broken} with the worker"
+
+
 def test_budget_too_small_falls_back_to_ordered_with_identical_output(caplog):
     ref_eng = _engine({})
     prompts = _prompts(ref_eng, 1)
@@ -187,7 +218,8 @@ def test_pageable_host_cache_matches_pinned_and_device():
     results = {}
     for name, kv in {"device": {}, "pinned": dict(offload=True, depth=1),
                      "pageable": dict(offload=True, depth=1, pinned=False),
-                     "pageable-copy-thread": dict(offload=True, depth=2, pinned=False, staging_thread=True)}.items():
+                     "pageable-copy-thread": dict(offload=True, depth=2, pinned=False, staging_on="thread"),
+                     "pageable-worker": dict(offload=True, depth=2, pinned=False, staging_on="worker")}.items():
         eng = _engine(kv)
         prompts = prompts or _prompts(eng, 1)
         results[name] = _run(eng, prompts, 32)

@@ -21,6 +21,7 @@ targets the event's latest record.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import random
 import threading
@@ -37,6 +38,12 @@ class SlotEvent:
         self._cv = threading.Condition()
         self.armed = 0
         self.done = 0
+        # `done` for a delivery worker (native lanes), which reads it without the GIL: set with
+        # `store` (a release store) where one is given. `native_wait(ctr, gen)`, when set,
+        # is how to wait for an event that the worker marks (it sets ctr, not `done`).
+        self.ctr = ctypes.c_longlong(0)
+        self.store = None
+        self.native_wait = None
 
     def arm(self) -> int:
         with self._cv:
@@ -46,9 +53,21 @@ class SlotEvent:
     def mark(self, gen: int) -> None:
         with self._cv:
             self.done = max(self.done, gen)
+            if self.store is not None:
+                self.store(self.ctr, self.done)
+            else:
+                self.ctr.value = self.done
             self._cv.notify_all()
 
     def wait_host(self, gen: int) -> None:
+        with self._cv:
+            if self.done >= gen:
+                return
+            native_wait = self.native_wait
+        if native_wait is not None:
+            native_wait(self.ctr, gen)  # raises the worker's error, if any
+            self.mark(gen)
+            return
         with self._cv:
             while self.done < gen:
                 self._cv.wait()
@@ -149,8 +168,13 @@ def _plain_copies(jobs, lane, waits, record, keep):
 
 class ThreadCopyEngine(CopyEngine):
     def __init__(self, device, delay_s=None, seed=0, copy_fn: Callable | None = None,
-                 fence_fn: Callable | None = None, inline_lanes=()):
+                 fence_fn: Callable | None = None, inline_lanes=(), native=None):
         super().__init__(device, delay_s, seed)
+        # native: None, or (submit, wait, drain, store) for lane 0 on a delivery worker (a C
+        # thread, staging.submit_to_device): submit(jobs, *, waits, gates, record, signal, keep)
+        # queues a job, wait(ctr, gen) waits for its signal, drain() for all of them, store a
+        # release store for the counters the worker reads. Change only after fence().
+        self.native = native
         # lanes whose copies run on the caller's thread, in call order (the caller's calls on
         # such a lane are then in FIFO order by construction); change only after fence()
         self.inline_lanes = frozenset(inline_lanes)
@@ -180,10 +204,19 @@ class ThreadCopyEngine(CopyEngine):
         for w in self._workers:
             w.start()
 
+    def event(self, name="") -> SlotEvent:
+        ev = SlotEvent(self.device, name)
+        if self.native is not None:
+            ev.store = self.native[3]
+        return ev
+
     def copy(self, jobs, waits, signal, keep=(), lane=0):
         self._raise()
         gens = [(ev, ev.armed) for ev in waits]
         sig = (signal, signal.arm()) if signal is not None else None
+        if lane == 0 and self.native is not None:
+            self._submit(jobs, gens, sig, keep)
+            return
         if lane in self.inline_lanes:
             try:  # an error reaches the caller at once
                 self._do(lane, jobs, gens, sig, list(keep), self._rng)
@@ -194,6 +227,19 @@ class ThreadCopyEngine(CopyEngine):
         with self._cv:
             self._pending += 1
         self._queues[lane].put((jobs, gens, sig, list(keep)))
+
+    def _submit(self, jobs, gens, sig, keep):
+        submit, wait = self.native[:2]
+        if sig is not None:
+            sig[0].native_wait = wait
+        try:  # the job waits for the gens on the worker thread (the gates), not here
+            submit(jobs, waits=[ev.cuda for ev, _ in gens if ev.cuda is not None],
+                   gates=[(ev.ctr, g) for ev, g in gens], record=sig[0].cuda if sig else None,
+                   signal=(sig[0].ctr, sig[1]) if sig else None, keep=keep)
+        except BaseException:
+            if sig:  # never queued: marked here, so no waiter hangs
+                sig[0].mark(sig[1])
+            raise
 
     def _do(self, lane, jobs, gens, sig, keep, rng):
         t0 = time.perf_counter()
@@ -254,6 +300,8 @@ class ThreadCopyEngine(CopyEngine):
         with self._cv:
             while self._pending:
                 self._cv.wait()
+        if self.native is not None:
+            self.native[2]()
         if self.fence_fn is not None:
             self.fence_fn()
         self._raise()

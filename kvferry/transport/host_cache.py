@@ -47,6 +47,8 @@ MiB = 1 << 20
 HEADROOM_BYTES = 1 << 30  # keep this much device memory free beyond the ring (activations)
 
 
+STAGED_ON = {"worker": "the staging pump's C worker thread", "thread": "a copy thread",
+             "decode": "the decode thread"}
 STAGED_SWITCH_S = 2e-4  # thread switch interval while staged copies run (see _make_engine)
 
 
@@ -97,9 +99,8 @@ class HostKVCache(KVCache):
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
         self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
-        where = "pinned" if self.pinned else (
-            "pageable, deliveries staged on a copy thread" if self.staging_thread
-            else "pageable, deliveries staged on the decode thread")
+        where = "pinned" if self.pinned or self.device.type != "cuda" and kv.pinned else (
+            f"pageable, deliveries staged on {STAGED_ON[self.staging_on]}")
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, where, self.describe())
 
     # -- setup ---------------------------------------------------------------------------
@@ -136,7 +137,7 @@ class HostKVCache(KVCache):
         log.info("host KV transport: %s", self.describe())
 
     def _make_engine(self, delay_s, seed) -> CopyEngine:
-        self.staging_thread = False  # deliveries staged on a copy thread (pageable only)
+        self.staging_on = None  # pageable only: where deliveries are staged (KVConfig.staging_on)
         if self.device.type == "cuda" and self.pinned:
             return CudaCopyEngine(self.device, delay_s, seed)
         if self.kv.pinned:  # CPU: plain copies on the stand-in copy engine
@@ -156,19 +157,27 @@ class HostKVCache(KVCache):
             # the staging streams wait for and record the transport's events themselves
             copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
             copy(jobs, waits=waits, record=record, keep=keep)
-        # Where deliveries are staged (auto): on a copy thread when the compiled pump runs the
-        # chunk loop without the GIL, so the memcpy overlaps the decode thread's work; with the
-        # Python loop on the decode thread, since a second Python thread running it loses time
-        # at every GIL hand-over (docs/results.md, issue 4). Either way the DMAs run under the
-        # compute of earlier layers. Write-backs stay on a thread: draining one waits for the
-        # compute that produced its rows.
-        thread = self.kv.staging_thread
-        if thread is None:
-            thread = staging._pump() is not None
-        self.staging_thread = thread
-        inline = () if thread else (0,)
+        # Where deliveries are staged (auto): on the pump's C worker thread when the compiled
+        # pump loads, so no step of a delivery waits for the GIL (a Python copy thread takes it
+        # back after every pump call, and each hand-over with the decode thread costs time);
+        # without the pump on the decode thread, since a second Python thread running the
+        # Python loop loses time at every hand-over (docs/results.md, issue 4). Either way the
+        # DMAs run under the compute of earlier layers. Write-backs stay on a Python thread:
+        # draining one waits for the compute that produced its rows.
+        on = self.kv.staging_on
+        if on == "auto":
+            on = "worker" if self.device.type == "cuda" and staging.worker_pump() is not None else "decode"
+        if on == "worker" and staging.worker_pump() is None:
+            raise KvferryError("--staging-on worker needs the compiled staging pump, which could not be "
+                               "built or loaded here (see the log; a C compiler is needed, and "
+                               "KVFERRY_NATIVE=0 turns it off); use --staging-on decode or thread")
+        self.staging_on = on
+        native = None
+        if on == "worker":
+            native = (staging.submit_to_device, lambda ctr, gen: staging.wait_signal((ctr, gen)),
+                      staging.synchronize, staging.worker_pump().store)
         return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize,
-                                inline_lanes=inline)
+                                inline_lanes=(0,) if on == "decode" else (), native=native)
 
     def _alloc_host(self, progress):
         spec = self.spec

@@ -31,7 +31,8 @@ COPY_MODES = {"memcpy": 0, "stream": 1}
 
 class _Cuda(ctypes.Structure):
     _fields_ = [("memcpy_async", ctypes.c_void_p), ("event_sync", ctypes.c_void_p),
-                ("event_record", ctypes.c_void_p), ("stream_wait", ctypes.c_void_p)]
+                ("event_record", ctypes.c_void_p), ("stream_wait", ctypes.c_void_p),
+                ("set_device", ctypes.c_void_p)]
 
 
 class Pump:
@@ -49,6 +50,20 @@ class Pump:
         self._copy.argtypes = [P, P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int]
         self._copy.restype = None
         self.cuda = cuda
+        self.lib = lib
+        LL, PLL = ctypes.c_longlong, ctypes.POINTER(ctypes.c_longlong)
+        for name, args, res in (
+                ("kvf_worker_start", [P, ctypes.c_int], P),
+                ("kvf_worker_submit", [P, ctypes.c_int, P, P, P, P, P, P, P, P, P, ctypes.c_int, ctypes.c_int,
+                                       ctypes.c_int, P, ctypes.c_int, P, P, P, P, LL], LL),
+                ("kvf_worker_wait", [P, P, LL, ctypes.c_int], ctypes.c_int),
+                ("kvf_worker_half", [P, ctypes.c_int], ctypes.c_int),
+                ("kvf_worker_stats", [P, P, P], None),
+                ("kvf_worker_stop", [P], None),
+                ("kvf_store", [PLL, LL], None)):
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = args, res
+        self.store = lib.kvf_store  # store(ctypes.c_longlong, value): a release store
 
     @staticmethod
     def _arrays(pairs):
@@ -100,6 +115,60 @@ class Pump:
         return r
 
 
+class Worker:
+    """A delivery worker (pump.c): host-to-device jobs run in order on a C thread that never
+    takes the GIL. A job's gates are (ctypes.c_longlong, generation) pairs that other threads
+    set once the CUDA events they stand for are recorded; its signal counter is set when the
+    job's record has been issued (on CPU: when its bytes have landed)."""
+
+    def __init__(self, pump: Pump, device: int):
+        self.pump, self.lib = pump, pump.lib
+        cuda = ctypes.byref(pump.cuda) if pump.cuda is not None else None
+        self._w = self.lib.kvf_worker_start(cuda, device)
+        if not self._w:
+            raise RuntimeError("staging pump: could not start the delivery worker thread")
+        self._times, self._chunks = (ctypes.c_double * 3)(), ctypes.c_long()
+
+    def submit(self, pairs, halves, events, stream, nthreads: int, mode: str, waits, gates, record,
+               signal) -> int:
+        """pairs (dst_ptr, src_ptr, nbytes, chunk); events, stream, waits, record: raw CUDA
+        handles (None on CPU); gates [(c_longlong, gen)]; signal (c_longlong, gen) or None."""
+        P, LL = ctypes.c_void_p, ctypes.c_longlong
+        n_w, n_g = len(waits), len(gates)
+        t = self.lib.kvf_worker_submit(
+            self._w, *Pump._arrays(pairs), halves[0], halves[1], events[0], events[1], stream, nthreads,
+            COPY_MODES[mode], n_w, (P * max(1, n_w))(*waits), n_g,
+            (P * max(1, n_g))(*(ctypes.addressof(c) for c, _ in gates)), (LL * max(1, n_g))(*(g for _, g in gates)),
+            record, ctypes.byref(signal[0]) if signal else None, signal[1] if signal else 0)
+        if t < 0:
+            raise MemoryError("staging pump: no memory to queue a delivery")
+        return t
+
+    def _check(self, err: int) -> None:
+        if err:
+            raise RuntimeError(f"staging pump: CUDA error {err} in a queued host-to-device delivery")
+
+    def wait(self, ctr: ctypes.c_longlong, gen: int) -> None:
+        """Block (GIL released) until a job set ``ctr`` to ``gen``; raises a job's CUDA error."""
+        self._check(self.lib.kvf_worker_wait(self._w, ctypes.byref(ctr), gen, 1))
+
+    def drain(self) -> None:
+        """Block until every queued job has run; raises a job's CUDA error."""
+        self._check(self.lib.kvf_worker_wait(self._w, None, 0, 1))
+
+    def half(self, h: int = -1) -> int:
+        return self.lib.kvf_worker_half(self._w, h)
+
+    def stats(self) -> tuple[list[float], int]:
+        self.lib.kvf_worker_stats(self._w, self._times, ctypes.byref(self._chunks))
+        return list(self._times), self._chunks.value
+
+    def stop(self) -> None:
+        if self._w:
+            self.lib.kvf_worker_stop(self._w)
+            self._w = None
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("KVFERRY_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvferry")
@@ -118,7 +187,7 @@ def _build() -> Path | None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(_SRC)]
+        cmd = [cc, "-O3", "-fopenmp", "-pthread", "-shared", "-fPIC", "-o", str(so), str(_SRC)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             log.warning("staging pump: build failed (%s), using the Python chunk loop: %s",
@@ -163,7 +232,7 @@ def load_pump(cuda: bool) -> Pump | None:
                         else:
                             addr = [ctypes.cast(getattr(rt, n), ctypes.c_void_p).value for n in
                                     ("cudaMemcpyAsync", "cudaEventSynchronize", "cudaEventRecord",
-                                     "cudaStreamWaitEvent")]
+                                     "cudaStreamWaitEvent", "cudaSetDevice")]
                             funcs = _Cuda(*addr)
                     if lib is not None:
                         pump = Pump(lib, funcs)

@@ -181,6 +181,11 @@ class _Direction:
         self.counts = dict(copies=0, chunks=0, bytes=0, wait_s=0.0, memcpy_s=0.0, issue_s=0.0,
                            call_s=0.0, entry_s=0.0)
         self.worker: _CopyWorker | None = None
+        # the delivery worker (native.Worker, host to device only) once submit_to_device() has
+        # been used; "stale" when a Python-side copy ran since, so the worker's next half is
+        # out of date
+        self.native = None
+        self.stale = False
         if device.type == "cuda":
             self.stream = torch.cuda.Stream(device=device)
             self.events = [torch.cuda.Event(), torch.cuda.Event()]
@@ -196,8 +201,18 @@ class _Direction:
         return 2 * self.half
 
     def synchronize(self) -> None:
+        if self.native is not None:
+            self.native.drain()
         for ev in self.events:
             ev.synchronize()
+
+    def own(self) -> None:
+        """A Python-side copy is about to use the halves (lock held): run what the delivery
+        worker has queued first, and take over its half alternation."""
+        if self.native is not None:
+            self.native.drain()
+            self.next = self.native.half()
+            self.stale = True
 
     def free(self) -> None:
         """Release the halves (the caller has waited for their copies)."""
@@ -402,6 +417,7 @@ class StagingBuffer:
             return
         d = self._h2d
         with d.lock:
+            d.own()
             caller, ctx = self._enter(d, waits)
             h = d.next
             c = d.counts
@@ -457,6 +473,78 @@ class StagingBuffer:
             self._pump_state = (want, pump)
         return self._pump_state[1]
 
+    def _raw(self, pairs, d: _Direction):
+        """The checks of ``_check`` without its flat views: (dst_ptr, src_ptr, nbytes, chunk)."""
+        raw = []
+        host = torch.device("cpu")
+        dst_dev, src_dev = (self.device, host) if d is self._h2d else (host, self.device)
+        for dst, src in pairs:
+            n = self._validate(dst, src, dst_dev, src_dev)
+            if n:  # as in _check, empty pairs are skipped before the layout is looked at
+                _require_contiguous(dst, "dst")
+                _require_contiguous(src, "src")
+                raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d)))
+        return raw
+
+    def submit_to_device(self, pairs, *, waits=(), gates=(), record=None, signal=None, keep=()) -> None:
+        """Queue host-to-device pairs on the delivery worker (native.Worker) and return at once;
+        the copies run on a C thread, in submission order, without the GIL. ``gates``:
+        (ctypes.c_longlong, generation) pairs the worker waits for first (the host side of
+        ``waits``, CUDA events it then makes its stream wait for); ``record``: a CUDA event
+        recorded after the last DMA; ``signal``: (ctypes.c_longlong, generation) set once the
+        job is issued, waited for with ``wait_signal``. The caller keeps the tensors alive
+        until the signal is set (the transport's slots and host rows outlive every copy) and
+        lists in ``keep`` device tensors the allocator must not reuse early. Needs the pump."""
+        pump = self.worker_pump()
+        if pump is None:
+            raise RuntimeError("staging: the delivery worker needs the compiled chunk pump, which is "
+                               "not in use (native=False, or it could not be built; see the log)")
+        t0 = time.perf_counter()
+        d = self._h2d
+        raw = self._raw(pairs, d)
+        with d.lock:
+            w = d.native
+            if w is None:
+                from kvferry.transport.native import Worker
+                d.synchronize()  # Python-side copies still in flight use the halves
+                w = d.native = Worker(pump, self.device.index if self._cuda else -1)
+                weakref.finalize(self, w.stop)  # a buffer dropped without close()
+                d.stale = True
+            need = max((r[3] for r in raw), default=0)
+            if need > d.half:
+                self._ensure(d, need)  # drains the worker before the halves change
+            if d.stale:  # a Python-side copy ran since the last job: the worker is idle
+                d.synchronize()
+                w.half(d.next)
+                d.stale = False
+            halves = [t.data_ptr() for t in d.halves] if d.halves else [None, None]
+            if self._cuda:
+                if record is not None and not record.cuda_event:
+                    record.record(d.stream)  # created now, so the worker has a handle to record
+                events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
+                ev_waits = [e.cuda_event for e in waits]
+                ev_record = record.cuda_event if record is not None else None
+                for t in keep:  # held by the caller until issued: the free sees this stream's copy
+                    t.record_stream(d.stream)
+            else:
+                events, stream, ev_waits, ev_record = (None, None), None, [], None
+            w.submit(raw, halves, events, stream, self._pump_nthreads(), self.pump_copy, ev_waits,
+                     list(gates), ev_record, signal)
+            d.counts["copies"] += 1
+            d.counts["bytes"] += sum(r[2] for r in raw)
+            d.counts["entry_s"] += time.perf_counter() - t0
+
+    def wait_signal(self, signal) -> None:
+        """Block until the delivery worker has set ``signal`` (ctypes.c_longlong, generation)."""
+        self._h2d.native.wait(*signal)
+
+    def worker_pump(self):
+        """The pump for the delivery worker: on CPU too (tests), unless native is False."""
+        if self.native is False:
+            return None
+        from kvferry.transport.native import load_pump
+        return load_pump(self._cuda)
+
     def _pump_event_ordered(self, pump, pairs, waits, record, keep, to_device: bool = True) -> None:
         """The transport's deliveries and write-backs with the compiled pump: the checks of
         ``_check`` without its flat views, then one call that waits, copies and records (each
@@ -464,17 +552,10 @@ class StagingBuffer:
         caller keeps its device tensors alive past the copy (the transport's ring slots are
         never freed) and passes any others in ``keep``."""
         t0 = time.perf_counter()
-        raw = []
         d = self._h2d if to_device else self._d2h
-        host = torch.device("cpu")
-        dst_dev, src_dev = (self.device, host) if to_device else (host, self.device)
-        for dst, src in pairs:
-            n = self._validate(dst, src, dst_dev, src_dev)
-            if n:  # as in _check, empty pairs are skipped before the layout is looked at
-                _require_contiguous(dst, "dst")
-                _require_contiguous(src, "src")
-                raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d)))
+        raw = self._raw(pairs, d)
         with d.lock:
+            d.own()
             self._set_device()
             self._pump_call(pump, d, raw, waits, record)
             for t in keep if to_device else ():  # device to host: the DMAs are done
@@ -617,6 +698,7 @@ class StagingBuffer:
         for name, d in (("h2d", self._h2d), ("d2h", self._d2h)):
             with d.lock:
                 c = dict(d.counts)
+                _add_worker_counts(d, c)
             c["memcpy_gbps"] = round(c["bytes"] / c["memcpy_s"] / 1e9, 2) if c["memcpy_s"] else None
             out[name] = c
         return out
@@ -636,6 +718,19 @@ class StagingBuffer:
                 d.free()
                 if d.worker is not None:
                     d.worker.stop()
+                if d.native is not None:  # its counters stay in the direction's
+                    _add_worker_counts(d, d.counts)
+                    d.native.stop()
+                    d.native, d.stale = None, False
+
+
+def _add_worker_counts(d: _Direction, counts: dict) -> None:
+    """Add the delivery worker's own chunk-loop counters (if ``d`` has one) to ``counts``."""
+    if d.native is not None:
+        times, chunks = d.native.stats()
+        for k, v in zip(("wait_s", "memcpy_s", "issue_s"), times):
+            counts[k] += v
+        counts["chunks"] += chunks
 
 
 class _NullCtx:
