@@ -457,8 +457,7 @@ def test_cuda_pump_half_wait_is_what_keeps_data_intact():
         buf = StagingBuffer(dev, 1 << 20, native=True, _test_skip_half_wait=skip)
         src = _random_bytes(n, seed=5)
         dst = torch.zeros(n, dtype=torch.uint8, device=dev)
-        with torch.cuda.stream(buf._h2d.stream):
-            torch.cuda._sleep(100_000_000)
+        torch.cuda._sleep(100_000_000)  # a single copy's DMAs queue on the caller's stream
         buf.copy_to_device(dst, src, synchronize=True)
         ok = torch.equal(dst.cpu(), src)
         buf.close()
@@ -555,3 +554,54 @@ def test_cuda_worker_orders_by_events_and_signals_after_issue():
 
     assert trip(True)
     assert not trip(False), "a worker job without the event wait went unnoticed"
+
+
+def test_single_pump_copies_are_cut_finer_than_deliveries():
+    # A single copy through the pump is cut at pump_min_chunk_bytes (its memcpy and DMA overlap
+    # even for a copy of a few chunks), while the Python loop and event-ordered deliveries keep
+    # min_chunk_bytes. Both land every byte; the chunk counts tell the plans apart.
+    _pump_or_skip(False)
+    n = (1 << 20) + 12_345
+    chunks = {}
+    for native in (True, False):
+        buf = StagingBuffer(CPU, 8 << 20, native=native, pump_min_chunk_bytes=256 << 10)
+        assert _round_trip(buf, n, seed=81)
+        chunks[native] = buf.stats()["h2d"]["chunks"]
+        buf.close()
+    assert chunks[False] == 1, "the Python loop's plan changed"
+    assert chunks[True] == 4, "a single pump copy was not cut at pump_min_chunk_bytes"  # split 4
+    with pytest.raises(ValueError, match="pump_min_chunk_bytes"):
+        StagingBuffer(CPU, CAP, pump_min_chunk_bytes=0)
+
+
+@cuda_only
+def test_cuda_single_pump_copy_is_ordered_on_the_callers_stream():
+    # copy_to_device through the pump queues its DMAs on the caller's current stream: a kernel
+    # queued there before the copy runs before it, one queued after sees its bytes, with no
+    # host sync and no staging-stream events. Negative control: the same chunks issued on the
+    # staging stream with no wait land before the earlier kernel, which then overwrites them.
+    _pump_or_skip(True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n = 3 * (1 << 20) + 12_345
+
+    def trip(on_caller: bool) -> bool:
+        buf = StagingBuffer(dev, 4 << 20, native=True)
+        src = _random_bytes(n, seed=71)
+        d = torch.zeros(n, dtype=torch.uint8, device=dev)
+        s = torch.cuda.Stream(dev)
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(200_000_000)
+            d.fill_(7)  # queued before the copy on the caller's stream
+            if on_caller:
+                buf.copy_to_device(d, src)
+            else:
+                d_ = buf._h2d
+                with d_.lock:
+                    buf._pump_call(buf._pump(), d_, buf._raw([(d, src)], d_, buf.pump_min_chunk_bytes))
+            after = d.to(torch.int64).sum()  # queued after the copy on the same stream
+        s.synchronize()
+        buf.close()
+        return torch.equal(d.cpu(), src) and int(after) == int(src.to(torch.int64).sum())
+
+    assert trip(True)
+    assert not trip(False), "DMAs off the caller's stream went unnoticed"

@@ -31,6 +31,8 @@ import weakref
 
 import torch
 
+from kvferry.transport.hostmem import advise_huge_pages
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CAP_BYTES = 64 << 20
@@ -44,6 +46,13 @@ _PAGE = 4096
 # decode step against 4 MiB ones (docs/results.md, issue 4).
 DEFAULT_MIN_CHUNK = 16 << 20
 DEFAULT_SPLIT = 4
+# A single copy through the compiled pump (copy_to_device: weight uploads, one-off copies) is
+# cut finer: the pump's per-chunk cost is a launch and an event record, not Python, and a copy
+# under DEFAULT_SPLIT * DEFAULT_MIN_CHUNK bytes would otherwise be one chunk whose memcpy and
+# DMA run in series (a 1 MiB copy at 27-35% of pinned on the H200). Deliveries of the host KV
+# cache stream back to back, so their pipeline stays full across copies and they keep the
+# large chunks (the chunk plan of an event-ordered call does not change).
+DEFAULT_PUMP_MIN_CHUNK = 256 << 10
 # Share of the cap for the host-to-device halves (24 MiB each of the default 64 MiB), the rest
 # device to host (8 MiB halves): deliveries carry the bulk of the bytes (a whole context per
 # decode step), write-backs a few rows.
@@ -133,9 +142,11 @@ class _CopyWorker:
                 self._thread = None
 
 
-def _unpin(ptr: int, stream) -> None:
+def _unpin(ptr: int, stream, events) -> None:
     try:
-        stream.synchronize()  # a DMA may still read or write the pages
+        stream.synchronize()  # a DMA may still read or write the pages: on the staging stream,
+        for ev in events:  # or (single copies through the pump) on a caller's stream
+            ev.synchronize()
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver may be gone already
         pass
@@ -231,6 +242,7 @@ class StagingBuffer:
 
     def __init__(self, device: torch.device, cap_bytes: int = DEFAULT_CAP_BYTES, *,
                  min_chunk_bytes: int = DEFAULT_MIN_CHUNK, split: int = DEFAULT_SPLIT,
+                 pump_min_chunk_bytes: int = DEFAULT_PUMP_MIN_CHUNK,
                  h2d_share: float = DEFAULT_H2D_SHARE,
                  native: bool | None = None,
                  _test_uncapped: bool = False, _test_delay_s: float = 0.0,
@@ -242,14 +254,15 @@ class StagingBuffer:
                 or cap_bytes % 4:
             raise ValueError("StagingBuffer: cap_bytes must be a positive multiple of 4 (it is split "
                              f"into two directions of two equal halves), got {cap_bytes!r}")
-        if min_chunk_bytes < 1 or split < 1:
-            raise ValueError(f"StagingBuffer: min_chunk_bytes and split must be >= 1, "
-                             f"got {min_chunk_bytes} and {split}")
+        if min_chunk_bytes < 1 or split < 1 or pump_min_chunk_bytes < 1:
+            raise ValueError(f"StagingBuffer: min_chunk_bytes, pump_min_chunk_bytes and split must be "
+                             f">= 1, got {min_chunk_bytes}, {pump_min_chunk_bytes} and {split}")
         self.device = device
         self.cap_bytes = cap_bytes
         if not 0.0 < h2d_share < 1.0:
             raise ValueError(f"StagingBuffer: h2d_share must be in (0, 1), got {h2d_share}")
         self.min_chunk_bytes = min_chunk_bytes
+        self.pump_min_chunk_bytes = pump_min_chunk_bytes
         self.h2d_share = h2d_share
         self.split = split
         self._cuda = device.type == "cuda"
@@ -291,11 +304,12 @@ class StagingBuffer:
         h2d = int(self.cap_bytes * self.h2d_share) // 2
         return h2d if d is self._h2d else (self.cap_bytes - 2 * h2d) // 2
 
-    def _chunk(self, n: int, d: _Direction) -> int:
-        """Bytes per chunk for an n-byte copy in direction d (the last chunk may be shorter)."""
+    def _chunk(self, n: int, d: _Direction, min_chunk: int | None = None) -> int:
+        """Bytes per chunk for an n-byte copy in direction d (the last chunk may be shorter);
+        ``min_chunk`` overrides ``min_chunk_bytes`` (single copies through the pump)."""
         if self._test_uncapped:
             return n  # test-only variant: the buffer grows to the copy size
-        c = max(self.min_chunk_bytes, -(-n // self.split))
+        c = max(self.min_chunk_bytes if min_chunk is None else min_chunk, -(-n // self.split))
         c = -(-c // _PAGE) * _PAGE  # whole pages, so chunk starts keep the source's alignment
         return min(c, n, self._half_cap(d))
 
@@ -334,6 +348,7 @@ class StagingBuffer:
         raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
         off = (-raw.data_ptr()) % _PAGE
         buf = raw[off:off + nbytes]
+        advise_huge_pages(buf)  # before registration touches the pages (hostmem.py)
         register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
         if register is None:  # a build without the binding: torch's allocator, growth leaves blocks cached
             log.warning("staging %s: cudaHostRegister is not available, pinning through torch's "
@@ -346,7 +361,7 @@ class StagingBuffer:
         # The memory must leave the registration before the allocator can hand it out again
         # (a later register of the same pages fails with "already registered"): unpinned by
         # free(), or when the buffer is dropped unclosed, after its copies finished.
-        d.unpin = weakref.finalize(buf, _unpin, buf.data_ptr(), d.stream)
+        d.unpin = weakref.finalize(buf, _unpin, buf.data_ptr(), d.stream, d.events)
         return buf
 
     @staticmethod
@@ -410,8 +425,11 @@ class StagingBuffer:
         its device tensors alive until ``record`` has fired (the compiled pump does not mark
         them; the transport's ring slots are never freed) or lists them in ``keep``."""
         pump = self._pump()
-        if pump is not None and self._cuda and waits is not None:
-            return self._pump_event_ordered(pump, pairs, waits, record, keep)
+        if pump is not None and self._cuda:
+            if waits is not None:
+                return self._pump_event_ordered(pump, pairs, waits, record, keep)
+            if record is None and not keep:
+                return self._pump_on_caller_stream(pump, pairs, synchronize)
         flat = self._check(pairs, self.device, torch.device("cpu"))
         if not flat and record is None:
             return
@@ -422,8 +440,8 @@ class StagingBuffer:
             h = d.next
             c = d.counts
             if pump is not None and flat:
-                raw = [(dst.data_ptr(), src.data_ptr(), src.numel(), self._chunk(src.numel(), d))
-                       for dst, src in flat]
+                raw = [(dst.data_ptr(), src.data_ptr(), src.numel(),
+                        self._chunk(src.numel(), d, self.pump_min_chunk_bytes)) for dst, src in flat]
                 with torch.cuda.device(self.device) if self._cuda else _NULL_CTX:
                     h = self._pump_call(pump, d, raw)
             else:
@@ -473,7 +491,32 @@ class StagingBuffer:
             self._pump_state = (want, pump)
         return self._pump_state[1]
 
-    def _raw(self, pairs, d: _Direction):
+    def _pump_on_caller_stream(self, pump, pairs, synchronize: bool) -> None:
+        """``copy_all_to_device`` with the compiled pump and no event ordering (weight uploads,
+        one-off copies): the DMAs and the halves' events go on the caller's current stream,
+        so they are ordered after its queued kernels and before whatever it queues next, as
+        PyTorch's own ``copy_`` is. That is what the staging stream achieved with a wait on the
+        caller's stream before and the caller's wait on the staging stream after, each an
+        event made, recorded and waited for from Python per call; a small copy's latency is
+        mostly such fixed costs. The halves stay safe across callers on other streams: a chunk
+        waits on the host for its half's event, whichever stream recorded it. The source may
+        be reused on return (every memcpy out of it is done); the destination is used on the
+        caller's stream only, so the allocator needs no record_stream."""
+        d = self._h2d
+        raw = self._raw(pairs, d, self.pump_min_chunk_bytes)
+        if not raw:
+            return
+        with d.lock:
+            d.own()
+            self._set_device()
+            stream = torch.cuda.current_stream(self.device)
+            self._pump_call(pump, d, raw, stream=stream.cuda_stream)
+            d.counts["copies"] += 1
+            d.counts["bytes"] += sum(r[2] for r in raw)
+        if synchronize:
+            stream.synchronize()
+
+    def _raw(self, pairs, d: _Direction, min_chunk: int | None = None):
         """The checks of ``_check`` without its flat views: (dst_ptr, src_ptr, nbytes, chunk)."""
         raw = []
         host = torch.device("cpu")
@@ -483,7 +526,7 @@ class StagingBuffer:
             if n:  # as in _check, empty pairs are skipped before the layout is looked at
                 _require_contiguous(dst, "dst")
                 _require_contiguous(src, "src")
-                raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d)))
+                raw.append((dst.data_ptr(), src.data_ptr(), n, self._chunk(n, d, min_chunk)))
         return raw
 
     def submit_to_device(self, pairs, *, waits=(), gates=(), record=None, signal=None, keep=()) -> None:
@@ -575,10 +618,11 @@ class StagingBuffer:
         if torch.cuda.current_device() != self.device.index:
             torch.cuda.set_device(self.device)
 
-    def _pump_call(self, pump, d: _Direction, raw, waits=(), record=None) -> int:
+    def _pump_call(self, pump, d: _Direction, raw, waits=(), record=None, stream=None) -> int:
         """One copy of ``raw`` (dst_ptr, src_ptr, nbytes, chunk) through the pump, in direction
         ``d`` (the caller holds its lock and, on CUDA, has made the device current); ``waits``
-        and ``record`` are CUDA events, as in the event-ordered calls. Returns ``d.next``."""
+        and ``record`` are CUDA events, as in the event-ordered calls; ``stream`` a raw CUDA
+        stream for the DMAs (default: the direction's). Returns ``d.next``."""
         if raw:
             self._ensure(d, max(r[3] for r in raw))
         halves = [t.data_ptr() for t in d.halves] if raw else [None, None]
@@ -588,7 +632,9 @@ class StagingBuffer:
             d.next = pump.h2d(raw, halves, (None, None), None, d.next, nthreads, d.counts,
                               self._test_skip_half_wait, mode=self.pump_copy)
             return d.next
-        events, stream = [e.cuda_event for e in d.events], d.stream.cuda_stream
+        events = [e.cuda_event for e in d.events]
+        if stream is None:
+            stream = d.stream.cuda_stream
         # an event never recorded has no handle yet (0): waiting on it is a no-op, as in
         # PyTorch (the pump skips it); one to record is created by recording it here first
         ev_waits = [e.cuda_event for e in waits]
