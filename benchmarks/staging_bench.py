@@ -135,10 +135,13 @@ def main() -> int:
     ap.add_argument("--stream-mib", type=int, default=512, help="bytes per stream measurement")
     ap.add_argument("--min-chunk-mib", type=float, default=None, help="staging minimum chunk (default: the library's)")
     ap.add_argument("--split", type=int, default=None, help="staging split (default: the library's)")
+    ap.add_argument("--pump-min-chunk-kib", type=float, default=None,
+                    help="minimum chunk of a single copy through the compiled pump, KiB (default: the library's)")
     ap.add_argument("--h2d-share", type=float, default=None, help="cap share of host-to-device halves (default: the library's)")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (the host memcpy runs on them)")
     ap.add_argument("--sweep-min-chunk-mib", default="", help="comma list: also time these minimum chunk sizes")
     ap.add_argument("--sweep-split", default="", help="comma list: also time these split counts")
+    ap.add_argument("--sweep-pump-min-chunk-kib", default="", help="comma list: also time these pump minimum chunks (KiB)")
     ap.add_argument("--sweep-sizes-mib", default="1,4,16,64", help="copy sizes for the sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -155,7 +158,9 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     knobs = {k: v for k, v in (("min_chunk_bytes", None if args.min_chunk_mib is None else int(args.min_chunk_mib * MIB)),
-                               ("split", args.split), ("h2d_share", args.h2d_share)) if v is not None}
+                               ("split", args.split), ("h2d_share", args.h2d_share),
+                               ("pump_min_chunk_bytes", None if args.pump_min_chunk_kib is None
+                                else int(args.pump_min_chunk_kib * 1024))) if v is not None}
     staging = StagingBuffer(dev, args.cap_mib * MIB, **knobs)
     stream_bytes = args.stream_mib * MIB
 
@@ -168,21 +173,27 @@ def main() -> int:
     sweep = []
     mins = [int(float(x) * MIB) for x in args.sweep_min_chunk_mib.split(",") if x]
     splits = [int(x) for x in args.sweep_split.split(",") if x]
-    if mins or splits:
+    pmins = [int(float(x) * 1024) for x in args.sweep_pump_min_chunk_kib.split(",") if x]
+    if mins or splits or pmins:
         for mc in mins or [staging.min_chunk_bytes]:
             for sp in splits or [staging.split]:
-                st = StagingBuffer(dev, args.cap_mib * MIB, **{**knobs, "min_chunk_bytes": mc, "split": sp})
-                for m in [int(x) for x in args.sweep_sizes_mib.split(",")]:
-                    r = measure_size(b, m * MIB, st, args.reps, stream_bytes,
-                                     f"sweep min {mc / MIB:g} MiB split {sp}: {m} MiB", plain=False)
-                    sweep.append({"min_chunk_bytes": mc, "split": sp, **r})
-                st.close()
+                for pmc in pmins or [staging.pump_min_chunk_bytes]:
+                    st = StagingBuffer(dev, args.cap_mib * MIB, **{**knobs, "min_chunk_bytes": mc, "split": sp,
+                                                                  "pump_min_chunk_bytes": pmc})
+                    for m in [int(x) for x in args.sweep_sizes_mib.split(",")]:
+                        r = measure_size(b, m * MIB, st, args.reps, stream_bytes,
+                                         f"sweep min {mc / MIB:g} MiB split {sp} pump min {pmc >> 10} KiB: {m} MiB",
+                                         plain=False)
+                        sweep.append({"min_chunk_bytes": mc, "split": sp, "pump_min_chunk_bytes": pmc, **r})
+                    st.close()
     progress("")
 
     info = {
         "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__,
         "host_threads": torch.get_num_threads(), "reps": args.reps, "stream_bytes": stream_bytes,
         "cap_bytes": staging.cap_bytes, "min_chunk_bytes": staging.min_chunk_bytes, "split": staging.split,
+        "pump_min_chunk_bytes": staging.pump_min_chunk_bytes, "pump": staging._pump() is not None,
+        "host_thp": __import__("kvferry.transport.hostmem", fromlist=["thp_mode"]).thp_mode(),
         "h2d_share": staging.h2d_share,
         "staging_peak_bytes": staging.peak_bytes, "staging_pinned_bytes": staging.pinned_bytes,
         "timing": "wall clock between device syncs for every path; event_h2d_pinned: CUDA events",
@@ -207,7 +218,9 @@ def render_markdown(rows, sweep, info) -> str:
     lines = [f"# Host<->device copy bandwidth (GB/s, 1 GB = 1e9 bytes) on {info['gpu']}", "",
              f"torch {info['torch']}, {info['host_threads']} host threads, median of {info['reps']} runs; "
              f"staging cap {info['cap_bytes'] // MIB} MiB, minimum chunk {info['min_chunk_bytes'] / MIB:g} MiB, "
-             f"split {info['split']}; peak staging bytes {info['staging_peak_bytes']:,}. Every path timed on "
+             f"split {info['split']}, single pump copies from {info['pump_min_chunk_bytes'] >> 10} KiB "
+             f"(pump {'on' if info['pump'] else 'off'}, THP {info['host_thp']}); "
+             f"peak staging bytes {info['staging_peak_bytes']:,}. Every path timed on "
              "the wall clock between syncs; 'event' is the pinned DMA alone (CUDA events).", ""]
     for mode, what in (("stream", f"back-to-back copies of each size (>= {info['stream_bytes'] // MIB} MiB per run)"),
                        ("single", "one copy of each size")):
@@ -225,10 +238,11 @@ def render_markdown(rows, sweep, info) -> str:
         lines.append("")
     if sweep:
         lines += ["## chunking sweep: staging % of pinned (stream / single)", "",
-                  "| min chunk | split | size | H2D | D2H |", "|---|---|---|---|---|"]
+                  "| min chunk | split | pump min chunk | size | H2D | D2H |", "|---|---|---|---|---|---|"]
         for r in sweep:
             g = r["gbps"]
-            lines.append(f"| {r['min_chunk_bytes'] / MIB:g} MiB | {r['split']} | {_size(r['bytes'])} "
+            lines.append(f"| {r['min_chunk_bytes'] / MIB:g} MiB | {r['split']} | {r['pump_min_chunk_bytes'] >> 10} KiB "
+                         f"| {_size(r['bytes'])} "
                          f"| {pct(g, 'stream', 'h2d'):.0f}% / {pct(g, 'single', 'h2d'):.0f}% "
                          f"| {pct(g, 'stream', 'd2h'):.0f}% / {pct(g, 'single', 'd2h'):.0f}% |")
         lines.append("")

@@ -605,3 +605,31 @@ def test_cuda_single_pump_copy_is_ordered_on_the_callers_stream():
 
     assert trip(True)
     assert not trip(False), "DMAs off the caller's stream went unnoticed"
+
+
+@cuda_only
+def test_cuda_single_copy_is_cut_finer_only_when_the_engine_is_idle():
+    # Idle copy engine: a single pump copy is cut at pump_min_chunk_bytes (its first memcpy is
+    # exposed latency). Busy (the previous chunk's DMA still queued behind a slow kernel): it
+    # takes the large-chunk plan, here one chunk. Every byte lands either way.
+    _pump_or_skip(True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = StagingBuffer(dev, 64 << 20, native=True, pump_min_chunk_bytes=256 << 10)
+    n = 4 << 20
+    srcs = [_random_bytes(n, seed=91 + i) for i in range(3)]
+    dsts = [torch.zeros(n, dtype=torch.uint8, device=dev) for _ in range(3)]
+    counts = []
+
+    def chunks():
+        return buf.stats()["h2d"]["chunks"]
+    buf.copy_to_device(dsts[0], srcs[0], synchronize=True)
+    counts.append(chunks())
+    torch.cuda._sleep(200_000_000)  # the DMAs queue behind it on the caller's stream
+    buf.copy_to_device(dsts[1], srcs[1])  # the engine was idle at entry: fine chunks
+    counts.append(chunks() - counts[-1])
+    buf.copy_to_device(dsts[2], srcs[2])  # busy now: the large-chunk plan
+    counts.append(chunks() - sum(counts))
+    torch.cuda.synchronize()
+    assert counts == [4, 4, 1]
+    assert all(torch.equal(d.cpu(), s) for d, s in zip(dsts, srcs))
+    buf.close()

@@ -501,13 +501,20 @@ class StagingBuffer:
         mostly such fixed costs. The halves stay safe across callers on other streams: a chunk
         waits on the host for its half's event, whichever stream recorded it. The source may
         be reused on return (every memcpy out of it is done); the destination is used on the
-        caller's stream only, so the allocator needs no record_stream."""
+        caller's stream only, so the allocator needs no record_stream.
+
+        The chunk plan adapts: with the copy engine idle (the last chunk's DMA is done), the
+        first chunk's memcpy is latency nobody hides, so the copy is cut at
+        ``pump_min_chunk_bytes``; with a DMA still running (a stream of copies, as a weight load
+        is) the pipeline is already full and the copy takes the large chunks, which cost fewer
+        launches and events per byte."""
         d = self._h2d
-        raw = self._raw(pairs, d, self.pump_min_chunk_bytes)
-        if not raw:
-            return
         with d.lock:
             d.own()
+            busy = d.halves is not None and not d.events[d.next ^ 1].query()
+            raw = self._raw(pairs, d, None if busy else self.pump_min_chunk_bytes)
+            if not raw:
+                return
             self._set_device()
             stream = torch.cuda.current_stream(self.device)
             self._pump_call(pump, d, raw, stream=stream.cuda_stream)
