@@ -1,8 +1,8 @@
-"""Huge pages for the pageable host KV cache (kvferry/transport/hostmem.py).
+"""Huge pages for the pageable host KV cache and the staging halves (kvferry/transport/hostmem.py).
 
 Checked on the mapping itself: /proc/self/smaps lists, per mapping of this process, how much of
 it is in anonymous huge pages. Where the system's THP setting is "never" (or not Linux) there is
-nothing to see and the tests skip; with "always" every large mapping gets them anyway, so the
+nothing to see and those tests skip; with "always" every large mapping gets them anyway, so the
 negative control (KVFERRY_HOST_THP=0 leaves the pages small) needs "madvise".
 """
 
@@ -34,45 +34,47 @@ def _mode_or_skip(*modes):
         pytest.skip(f"transparent huge pages are {mode!r} here; the test needs {' or '.join(modes)}")
 
 
-def test_advised_memory_is_backed_by_huge_pages():
+@pytest.mark.parametrize("n", [8 * MiB, 64 * MiB + 12_345])
+def test_host_memory_is_aligned_zero_and_in_huge_pages(n):
+    # 8 MiB: below glibc's mmap threshold, where the CPU allocator could hand out heap pages
+    # that were touched before and stay small whatever is advised; a mapping of its own cannot.
     _mode_or_skip("madvise", "always")
-    t = torch.empty(64 * MiB + 12_345, dtype=torch.uint8)
-    advised = hostmem.advise_huge_pages(t)
-    assert advised >= 60 * MiB and advised % hostmem.HUGE_PAGE == 0
-    t.fill_(1)  # first touch: the kernel backs the advised range with 2 MiB pages
-    mid = t.data_ptr() + t.nbytes // 2
-    assert _huge_bytes_at(mid) >= 32 * MiB
+    t = hostmem.alloc_host(n)
+    assert t.dtype == torch.uint8 and t.numel() == n and t.data_ptr() % hostmem.HUGE_PAGE == 0
+    assert not t.any()
+    t.fill_(1)  # first touch: the kernel backs the range with 2 MiB pages
+    assert _huge_bytes_at(t.data_ptr()) >= n // 2
+    assert bool((t == 1).all())
 
 
 def test_switched_off_leaves_pages_small(monkeypatch):
     _mode_or_skip("madvise")
     monkeypatch.setenv("KVFERRY_HOST_THP", "0")
-    t = torch.empty(64 * MiB, dtype=torch.uint8)
-    assert hostmem.advise_huge_pages(t) == 0
+    t = hostmem.alloc_host(64 * MiB)
     t.fill_(1)
-    assert _huge_bytes_at(t.data_ptr() + t.nbytes // 2) == 0
+    assert _huge_bytes_at(t.data_ptr()) == 0
 
 
-def test_too_small_or_not_on_the_host_is_left_alone():
-    assert hostmem.advise_huge_pages(torch.empty(4096, dtype=torch.uint8)) == 0
-    assert hostmem.advise_huge_pages(torch.empty(0, dtype=torch.uint8)) == 0
+def test_views_keep_the_mapping_alive():
+    t = hostmem.alloc_host(3 * MiB + 5)
+    v = t[MiB:].view(-1)
+    del t
+    v.fill_(7)  # the mapping is still there: no fault
+    assert int(v[-1]) == 7 and v.numel() == 2 * MiB + 5
+    assert hostmem.alloc_host(0).numel() == 0
 
 
-def test_pageable_host_cache_is_advised(monkeypatch):
-    # The pageable host KV cache asks for huge pages for every layer before it zeroes it (on a
-    # GPU the pinned cache does not: torch's pinned allocator owns those pages).
+def test_pageable_host_cache_is_in_huge_pages():
+    # The pageable host KV cache takes its layers from alloc_host and zeroes them at once (with
+    # progress), so they are in huge pages before the first decode step.
     _mode_or_skip("madvise", "always")
     from kvferry.config import KVConfig
     from kvferry.kv.cache import KVSpec
-    from kvferry.transport import host_cache
+    from kvferry.transport.host_cache import HostKVCache
 
-    calls = []
-    real = host_cache.advise_huge_pages
-    monkeypatch.setattr(host_cache, "advise_huge_pages", lambda t: calls.append(t.nbytes) or real(t))
     spec = KVSpec(num_layers=2, num_seqs=1, ctx=8192, num_kv_heads=4, head_dim=128, kv_type="f16",
                   chunk_rows=1024)
-    cache = host_cache.HostKVCache(spec, KVConfig(offload=True, pinned=False, depth=1),
-                                   torch.device("cpu"), torch.float32)
-    assert len(calls) == 2 * spec.num_layers
-    t = cache.host_k[0]
-    assert _huge_bytes_at(t.data_ptr() + t.nbytes // 2) > 0, "the host cache is not in huge pages"
+    cache = HostKVCache(spec, KVConfig(offload=True, pinned=False, depth=1), torch.device("cpu"), torch.float32)
+    for t in (*cache.host_k, *cache.host_v):
+        assert t.data_ptr() % hostmem.HUGE_PAGE == 0
+        assert _huge_bytes_at(t.data_ptr()) >= t.nbytes // 2, "a host cache layer is not in huge pages"

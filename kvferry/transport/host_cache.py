@@ -30,6 +30,7 @@ ring's size does not grow with the context.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from kvferry import KvferryError
 from kvferry.config import KVConfig
 from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, KVCache, KVSpec, index_tensor
 from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
-from kvferry.transport.hostmem import advise_huge_pages, thp_mode
+from kvferry.transport.hostmem import alloc_host, thp_enabled, thp_mode
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -186,19 +187,20 @@ class HostKVCache(KVCache):
         self.host_k, self.host_v = [], []
         bar = tqdm(total=spec.num_layers, desc="host KV alloc", unit="layer", leave=False,
                    disable=(not progress) or spec.total_bytes < (1 << 30) or None)
-        huge = 0
+        nbytes = math.prod(shape)
         for _ in range(spec.num_layers):
             for lst in (self.host_k, self.host_v):
-                t = torch.empty(shape, dtype=torch.uint8, pin_memory=self.pinned)
-                if not self.pinned:  # before the first touch: every step streams these pages
-                    huge += advise_huge_pages(t)
-                t.zero_()
+                if self.pinned:
+                    t = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
+                else:  # huge pages where the system gives them: every step streams these pages
+                    t = alloc_host(nbytes).view(shape)
+                t.zero_()  # every page now, with progress, not at the first decode steps
                 lst.append(t)
             bar.update()
         bar.close()
         if not self.pinned:
-            log.debug("host KV: %.0f of %.0f MiB advised for huge pages (THP %s)", huge / MiB,
-                      spec.total_bytes / MiB, thp_mode())
+            log.debug("host KV: pageable, huge pages %s (system THP setting %s)",
+                      "asked for" if thp_enabled() else "off (KVFERRY_HOST_THP=0)", thp_mode())
         # per layer and sequence: views made once, so a copy's source is one slice per step
         self._hk = [[t[q] for q in range(spec.num_seqs)] for t in self.host_k]
         self._hv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_v]

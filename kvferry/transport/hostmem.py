@@ -9,24 +9,22 @@ common default; with "always" they come anyway, with "never" the call does nothi
 does the same for its own CPU allocations only when THP_MEM_ALLOC_ENABLE is set before it
 starts, for every tensor; here it is asked for these buffers alone.
 
-Why by hand: there is no PyTorch API to advise one tensor's pages; this is one libc call.
-Set KVFERRY_HOST_THP=0 to leave the pages as the allocator gives them (for A/B measurements).
+The memory is a private anonymous mapping of its own (Python's mmap, which also gives the
+madvise call), not the CPU allocator's: an allocation below glibc's mmap threshold (up to
+32 MiB) can come from heap pages already touched, which stay small whatever is advised.
+
+Set KVFERRY_HOST_THP=0 to leave the pages small (for A/B measurements).
 """
 
 from __future__ import annotations
 
-import ctypes
-import logging
+import mmap
 import os
 import sys
 
 import torch
 
-log = logging.getLogger(__name__)
-
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
-_libc = None
 
 
 def thp_enabled() -> bool:
@@ -34,32 +32,24 @@ def thp_enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get("KVFERRY_HOST_THP", "1") != "0"
 
 
-def _madvise():
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
-        _libc = libc
-    return _libc.madvise
-
-
-def advise_huge_pages(t: torch.Tensor) -> int:
-    """Ask for huge pages under the whole 2 MiB-aligned interior of ``t``'s memory (a CPU
-    tensor, before its pages are first touched: pages already there stay small until the
-    kernel's background collapse gets to them). Returns the bytes advised (0 when off, too
-    small, or refused; a refusal is logged at debug level and changes nothing else)."""
-    if not thp_enabled() or t.device.type != "cpu":
-        return 0
-    start = t.data_ptr()
-    lo = -(-start // HUGE_PAGE) * HUGE_PAGE
-    hi = (start + t.nbytes) // HUGE_PAGE * HUGE_PAGE
-    if hi <= lo:
-        return 0
-    if _madvise()(lo, hi - lo, _MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): small pages", ctypes.get_errno())
-        return 0
-    return hi - lo
+def alloc_host(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of fresh anonymous host memory (zero, no page touched yet) as a 1-D uint8
+    tensor that keeps the mapping alive; 2 MiB-aligned and advised for huge pages when
+    ``thp_enabled()``, page-aligned otherwise. The pages come when first written."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # not POSIX: the allocator's memory
+        return torch.empty(nbytes, dtype=torch.uint8)
+    huge = thp_enabled() and hasattr(mmap, "MADV_HUGEPAGE")
+    pad = HUGE_PAGE if huge else 0
+    m = mmap.mmap(-1, max(1, nbytes + pad), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                  prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    whole = torch.frombuffer(m, dtype=torch.uint8)  # holds m: unmapped with the last view
+    off = (-whole.data_ptr()) % HUGE_PAGE if huge else 0
+    if huge and nbytes:
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE, off, nbytes)
+        except OSError:  # a kernel without THP: small pages, nothing else changes
+            pass
+    return whole[off:off + nbytes]
 
 
 def huge_page_bytes() -> int | None:

@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from kvferry.transport.hostmem import advise_huge_pages
+from kvferry.transport.hostmem import alloc_host
 
 log = logging.getLogger(__name__)
 
@@ -344,11 +344,8 @@ class StagingBuffer:
             return torch.empty(nbytes, dtype=torch.uint8)
         # Pinned in place with cudaHostRegister rather than through torch's pinned allocator:
         # that allocator keeps freed blocks pinned in its cache, so each growth would leave the
-        # old halves pinned beyond the cap. Page-aligned, so no page is shared with other data.
-        raw = torch.empty(nbytes + _PAGE, dtype=torch.uint8)
-        off = (-raw.data_ptr()) % _PAGE
-        buf = raw[off:off + nbytes]
-        advise_huge_pages(buf)  # before registration touches the pages (hostmem.py)
+        # old halves pinned beyond the cap. A mapping of its own, so no page is shared with other data.
+        buf = alloc_host(nbytes)  # its own pages, huge where the system gives them (hostmem.py)
         register = getattr(torch.cuda.cudart(), "cudaHostRegister", None)
         if register is None:  # a build without the binding: torch's allocator, growth leaves blocks cached
             log.warning("staging %s: cudaHostRegister is not available, pinning through torch's "
