@@ -52,19 +52,6 @@ def alloc_host(nbytes: int) -> torch.Tensor:
     return whole[off:off + nbytes]
 
 
-def huge_page_bytes() -> int | None:
-    """This process's anonymous memory in huge pages (AnonHugePages of /proc/self/smaps_rollup),
-    in bytes; None where the kernel does not report it."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def thp_mode() -> str | None:
     """The system's transparent huge page setting ("always", "madvise", "never"), or None."""
     try:

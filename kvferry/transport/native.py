@@ -159,9 +159,10 @@ class Worker:
     def half(self, h: int = -1) -> int:
         return self.lib.kvf_worker_half(self._w, h)
 
-    def stats(self) -> tuple[list[float], int]:
+    def add_stats(self, counts: dict) -> None:
+        """Add the worker's accumulated wait / memcpy / issue seconds and chunks to ``counts``."""
         self.lib.kvf_worker_stats(self._w, self._times, ctypes.byref(self._chunks))
-        return list(self._times), self._chunks.value
+        Pump._add(counts, self._times, [self._chunks.value])
 
     def stop(self) -> None:
         if self._w:

@@ -748,7 +748,8 @@ class StagingBuffer:
         for name, d in (("h2d", self._h2d), ("d2h", self._d2h)):
             with d.lock:
                 c = dict(d.counts)
-                _add_worker_counts(d, c)
+                if d.native is not None:  # the delivery worker's own chunk loop
+                    d.native.add_stats(c)
             c["memcpy_gbps"] = round(c["bytes"] / c["memcpy_s"] / 1e9, 2) if c["memcpy_s"] else None
             out[name] = c
         return out
@@ -769,18 +770,9 @@ class StagingBuffer:
                 if d.worker is not None:
                     d.worker.stop()
                 if d.native is not None:  # its counters stay in the direction's
-                    _add_worker_counts(d, d.counts)
+                    d.native.add_stats(d.counts)
                     d.native.stop()
                     d.native, d.stale = None, False
-
-
-def _add_worker_counts(d: _Direction, counts: dict) -> None:
-    """Add the delivery worker's own chunk-loop counters (if ``d`` has one) to ``counts``."""
-    if d.native is not None:
-        times, chunks = d.native.stats()
-        for k, v in zip(("wait_s", "memcpy_s", "issue_s"), times):
-            counts[k] += v
-        counts["chunks"] += chunks
 
 
 class _NullCtx:
