@@ -60,6 +60,10 @@ CASES = {
     "absent gpu": (["--device", "cuda:99"], ["cuda"]),
     "non-integer token count": (["-n", "lots"], ["-n", "lots"]),
     "nan temperature": (["-m", "{tiny}", "--temp", "nan"], ["--temp", "nan"]),
+    "host KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-nkvo"],
+                                    ["KV cache needs", "12800000000000 bytes", "GiB of memory", "lower -c or -np", "-ctk"]),
+    "CPU KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-ctk", "f16"],
+                                   ["KV cache needs", "GiB of memory", "lower -c or -np"]),
 }
 
 

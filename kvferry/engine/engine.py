@@ -93,6 +93,7 @@ class Engine:
             self.loaded = load_model(path, self.device, self.dtype, progress)
             self.tokenizer = _load_tokenizer(self.loaded)
         mc = self.loaded.cfg
+        warn_beyond_training(cfg.ctx_size, mc)
         self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype, cfg.flash_attn, cfg.cuda_graphs)
         self.kv_spec = self.spec_for(cfg)
         kv_type = self.kv_spec.kv_type
@@ -216,7 +217,45 @@ def _load_tokenizer(loaded: LoadedModel):
 
 
 def make_cache(spec: KVSpec, cfg: EngineConfig, device, dtype, progress=True) -> KVCache:
+    check_host_memory(spec, cfg, device)
     if not cfg.kv.offload:
         return DeviceKVCache(spec, device, dtype)
     from kvferry.transport.host_cache import HostKVCache
     return HostKVCache(spec, cfg.kv, device, dtype, progress=progress)
+
+
+# ---------------------------------------------------------------------------- limits, checked before use
+def warn_beyond_training(ctx_size: int, mc) -> None:
+    """A context longer than the model was trained on runs (as in llama.cpp), with one warning."""
+    if ctx_size > mc.max_position:
+        log.warning("the context (-c %d) is longer than the %d positions %s was trained on: "
+                    "text past position %d may degrade", ctx_size, mc.max_position, mc.name, mc.max_position)
+
+
+def check_host_memory(spec: KVSpec, cfg: EngineConfig, device) -> None:
+    """Refuse a KV cache that host memory cannot hold, before allocating it (the allocator
+    would fail with its own message, or the OOM killer end the process). A host cache lives
+    there, and so does a device-resident one when the device is the CPU."""
+    if not cfg.kv.offload and device.type != "cpu":
+        return
+    need = spec.total_bytes
+    total, available = host_memory_bytes()
+    if need <= available:
+        return
+    gib = 2**30
+    hint = "lower -c or -np" + (", or use a smaller -ctk (e.g. q8_0, q4_0)" if spec.kv_type != "q4_0" else "")
+    raise KvferryError(
+        f"the KV cache needs {need / gib:.1f} GiB ({need} bytes: -c {spec.ctx} x -np {spec.num_seqs} x "
+        f"{spec.num_layers} layers x {spec.token_bytes} bytes of {spec.kv_type} K and V per token), but this "
+        f"machine has {total / gib:.1f} GiB of memory, {available / gib:.1f} GiB of it available: {hint}")
+
+
+def host_memory_bytes() -> tuple[int, int]:
+    """(physical memory, memory available without swapping) in bytes; MemAvailable from
+    /proc/meminfo, or all of physical memory where that file is missing."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            return total, next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return total, total
