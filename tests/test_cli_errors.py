@@ -30,7 +30,14 @@ def files(tmp_path_factory, gguf_path):
         "iq2_xxs": write_llama_with_qtype(d / "iq2.gguf", gguf.GGMLQuantizationType.IQ2_XXS),
         "tq1_0": write_llama_with_qtype(d / "tq1.gguf", gguf.GGMLQuantizationType.TQ1_0),
         "tiny": write_spm_llama(d / "tiny.gguf"),
+        "hf_broken": os.path.dirname(_write(d / "hf" / "config.json", b'{"model_type": "llama",\n  "hidden_size": 16,,\n}')),
     }
+
+
+def _write(path, data: bytes) -> str:
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(data)
+    return str(path)
 
 
 def _error_line(res):
@@ -64,6 +71,7 @@ CASES = {
                                     ["KV cache needs", "12800000000000 bytes", "GiB of memory", "lower -c or -np", "-ctk"]),
     "CPU KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-ctk", "f16"],
                                    ["KV cache needs", "GiB of memory", "lower -c or -np"]),
+    "broken config.json": (["-m", "{hf_broken}"], ["config.json is not valid JSON", "line 2, column 21"]),
 }
 
 

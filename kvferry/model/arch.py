@@ -6,6 +6,7 @@ llama-like architecture is one table entry, not new model code.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 from kvferry import KvferryError
@@ -97,6 +98,32 @@ class ModelConfig:
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=cfg.get("_name_or_path", "") or model_type,
         )
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    """A Hugging Face config.json as a ModelConfig. A file that is missing, unreadable, not
+    JSON or short of a field the model needs is a KvferryError that names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise KvferryError(f"{path}: no such file") from None
+    except OSError as e:
+        raise KvferryError(f"cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise KvferryError(f"{path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise KvferryError(f"{path} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    if not isinstance(raw, dict):
+        raise KvferryError(f"{path} holds a JSON {type(raw).__name__}, not an object of model settings")
+    try:
+        return ModelConfig.from_hf_config(raw)
+    except KeyError as e:
+        raise KvferryError(f"{path} lacks '{e.args[0]}', which the model's shape needs") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise KvferryError(f"{path} has a setting of the wrong type or value: {e}") from None
+    except KvferryError as e:
+        raise KvferryError(f"{path}: {e}") from None
 
 
 def _rope_theta(cfg: dict) -> float:

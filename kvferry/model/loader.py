@@ -9,7 +9,6 @@ wv, bq, bk, bv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down}.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -21,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kvferry import KvferryError
-from kvferry.model.arch import ModelConfig, arch_spec
+from kvferry.model.arch import ModelConfig, arch_spec, load_hf_config
 
 log = logging.getLogger(__name__)
 
@@ -199,8 +198,7 @@ def load_hf_dir(path: str, device, dtype, progress=True) -> LoadedModel:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise KvferryError(f"{path} has no config.json (expected a Hugging Face model directory or a .gguf file)")
-    with open(cfg_path) as f:
-        cfg = ModelConfig.from_hf_config(json.load(f))
+    cfg = load_hf_config(cfg_path)
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
     if not files:
         raise KvferryError(f"{path} has no *.safetensors files")
