@@ -53,14 +53,14 @@ def main():
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("bench", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    from kvferry.bench.command import parse_args
     from kvferry.bench.report import write_md_json
     from kvferry.bench.runner import Bench
-    from kvferry.cli import build_parser
     from kvferry.transport.staging import get_staging
 
     bench_args = [x for x in a.bench if x != "--"]
-    ba = build_parser().parse_args(["bench", "-p", "0", "-n", str(a.steps + 8), "-r", "1", "-nkvo", "1", "-pin", "1,0",
-                                    *bench_args])
+    ba = parse_args(["-p", "0", "-n", str(a.steps + 8), "-r", "1", "-nkvo", "1", "-pin", "1,0",
+                     *bench_args])
     b = Bench(ba)
     eng = b.eng
     cuda = eng.device.type == "cuda"

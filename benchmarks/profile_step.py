@@ -29,10 +29,10 @@ def main():
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("bench", nargs=argparse.REMAINDER)
     a = ap.parse_args()
+    from kvferry.bench.command import parse_args
     from kvferry.bench.runner import Bench
-    from kvferry.cli import build_parser
     bench_args = [x for x in a.bench if x != "--"]
-    ba = build_parser().parse_args(["bench", "-p", "0", "-n", str(a.steps + 8), "-r", "1", *bench_args])
+    ba = parse_args(["-p", "0", "-n", str(a.steps + 8), "-r", "1", *bench_args])
     b = Bench(ba)
     eng = b.eng
     cuda = eng.device.type == "cuda"

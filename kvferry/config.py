@@ -1,14 +1,19 @@
-"""Frozen run configuration. The CLI maps flags onto these in one place (cli.py);
-__post_init__ validates, raising KvferryError with a message that says what to change."""
+"""Frozen run configuration. The CLI maps flags onto these in one place (args.py);
+__post_init__ validates, raising KvferryError with a message that says what to change.
+
+Must not import torch: the CLI validates flags through these before any slow import."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from kvferry import KvferryError
 
 STAGING_ON = ("auto", "worker", "thread", "decode")  # --staging-on (KVConfig.staging_on)
+# KV encodings by name; kv/quant.py implements each (a test keeps the two lists equal)
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "fp8")
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,6 @@ class KVConfig:
     staging_on: str = "auto"
 
     def __post_init__(self):
-        from kvferry.kv.quant import KV_TYPES
         if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
             raise KvferryError(f"unknown KV type '{self.kv_type}' (choose one of: auto, {', '.join(KV_TYPES)})")
         if self.depth < 0:
@@ -92,5 +96,7 @@ class EngineConfig:
             raise KvferryError(f"-np must be >= 1, got {self.num_seqs}")
         if self.ubatch < 1:
             raise KvferryError(f"--ubatch must be >= 1, got {self.ubatch}")
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise KvferryError(f"--device must be cpu, cuda or cuda:N; got '{self.device}'")
         if self.dtype not in ("auto", "f32", "f16", "bf16"):
             raise KvferryError(f"--dtype must be one of auto, f32, f16, bf16; got '{self.dtype}'")

@@ -40,11 +40,24 @@ def engine():
     return make_engine(ctx_size=512)
 
 
-def run_cli(*args, timeout=300, env=None):
+# `python -m kvferry ARGS` (runpy runs the package as -m does), which at exit also says on
+# stderr whether torch was imported: a check that failed before any model load left it out
+_TORCH_MARK = "probe: torch imported:"
+_CLI = ("import atexit, runpy, sys\n"
+        f"atexit.register(lambda: print({_TORCH_MARK!r}, 'torch' in sys.modules, file=sys.stderr))\n"
+        "runpy.run_module('kvferry', run_name='__main__', alter_sys=True)\n")
+
+
+def run_cli(*args, timeout=300, env=None, input=None):
+    """The CLI in a subprocess; the result also has .torch_imported (bool)."""
     e = dict(os.environ, PYTHONUNBUFFERED="1")
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "kvferry", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=e)
+    res = subprocess.run([sys.executable, "-c", _CLI, *args], capture_output=True, text=True,
+                         timeout=timeout, cwd=ROOT, env=e, input=input)
+    lines = res.stderr.splitlines(keepends=True)
+    assert lines and lines[-1].startswith(_TORCH_MARK), res.stderr[-2000:]
+    res.stderr, res.torch_imported = "".join(lines[:-1]), lines[-1].split()[-1] == "True"
+    return res
 
 
 torch.set_num_threads(max(1, min(4, len(os.sched_getaffinity(0)))))

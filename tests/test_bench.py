@@ -3,10 +3,12 @@
 import csv
 import io
 import json
+import sys
 
 import pytest
 
 from conftest import run_cli
+from kvferry import KvferryError
 from kvferry.bench import bound as B
 
 BENCH = ["bench", "-p", "8", "-n", "4", "-d", "0,40", "-r", "2", "-nkvo", "0,1", "-kvpd", "0,1",
@@ -77,13 +79,36 @@ def test_bench_md_and_csv_outputs():
     (["-nkvo", "2"], "-nkvo expects 0 or 1"),
     (["-r", "0"], "-r must be >= 1"),
     (["-p", "0", "-n", "0"], "nothing to run"),
+    (["--bogus"], "unrecognized arguments: --bogus (see `kvferry bench --help`)"),
+    (["--random-weights", "llama3-8b", "--layers", "-3"], "--layers must be >= 1, got -3"),
+    (["--random-weights", "llama3-8b", "--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--random-weights", "llama3-8b", "--layers", "33"], "llama3-8b has 32 layers"),
+    (["--layers", "2"], "--layers applies only with --random-weights"),
+    (["--random-weights", "llama9"], "unknown preset 'llama9'"),
+    (["--random-weights", "/nonexistent/config.json"], "/nonexistent/config.json: no such file"),
+    (["--random-weights", "{broken}"], "broken.json is not valid JSON: Expecting value at line 1, column 16"),
+    (["--random-weights", "{short}"], "short.json lacks 'hidden_size'"),
+    (["--plot", "/nonexistent/tg.png"], "the directory /nonexistent does not exist"),
+    (["--plot", "tg.png", "-n", "0"], "needs a tg test: give -n a value > 0"),
 ])
-def test_bench_bad_flag_is_a_one_line_error(args, needle):
+def test_bench_bad_flag_is_one_error_line_before_any_model_load(tmp_path, args, needle):
+    (tmp_path / "broken.json").write_text('{"model_type": }')
+    (tmp_path / "short.json").write_text('{"model_type": "llama", "num_attention_heads": 4}')
+    args = [x.format(broken=tmp_path / "broken.json", short=tmp_path / "short.json") for x in args]
     r = run_cli("bench", "--device", "cpu", "-c", "64", *args)
-    assert r.returncode != 0
+    assert r.returncode == 1
     err = [ln for ln in r.stderr.strip().splitlines() if not ln.startswith(("I ", "W "))]
     assert len(err) == 1 and err[0].startswith("error:") and needle in err[0], r.stderr
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""
+    assert not r.torch_imported  # so neither the model nor the run had started
+
+
+def test_plot_without_matplotlib_is_refused_with_the_install_command(monkeypatch):
+    from kvferry.bench.command import check_plot
+    check_plot("tg.png", [4])  # matplotlib is installed for the tests: accepted
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not
+    with pytest.raises(KvferryError, match=r"pip install 'kvferry\[bench\]' \(or pip install matplotlib\)"):
+        check_plot("tg.png", [4])
 
 
 def test_link_probe_runs_on_cpu():

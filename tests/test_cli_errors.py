@@ -30,6 +30,9 @@ def files(tmp_path_factory, gguf_path):
         "iq2_xxs": write_llama_with_qtype(d / "iq2.gguf", gguf.GGMLQuantizationType.IQ2_XXS),
         "tq1_0": write_llama_with_qtype(d / "tq1.gguf", gguf.GGMLQuantizationType.TQ1_0),
         "tiny": write_spm_llama(d / "tiny.gguf"),
+        "latin1": _write(d / "latin1.txt", "café au lait\n".encode("latin-1")),
+        "blank": _write(d / "blank.txt", b"\n"),
+        "dir": str(d),
         "hf_broken": os.path.dirname(_write(d / "hf" / "config.json", b'{"model_type": "llama",\n  "hidden_size": 16,,\n}')),
     }
 
@@ -67,27 +70,43 @@ CASES = {
     "absent gpu": (["--device", "cuda:99"], ["cuda"]),
     "non-integer token count": (["-n", "lots"], ["-n", "lots"]),
     "nan temperature": (["-m", "{tiny}", "--temp", "nan"], ["--temp", "nan"]),
+    "unknown flag names the run command": (["--bogus"], ["unrecognized arguments: --bogus", "`kvferry run --help`"]),
+    "prompt and file together": (["-p", "hi", "-f", "{latin1}"], ["-p or with -f, not both"]),
+    "empty prompt": (["-p", ""], ["-p is empty"]),
+    # a byte that is not UTF-8 on the command line reaches Python as a lone surrogate
+    "prompt bytes not UTF-8": (["-p", "caf\udce9"], ["-p is not valid UTF-8", "0xe9"]),
+    "prompt file not UTF-8": (["-f", "{latin1}"], ["latin1.txt is not UTF-8", "0xe9 on line 1, offset 3"]),
+    "prompt file holds only a newline": (["-f", "{blank}"], ["blank.txt is empty"]),
+    "prompt file is a directory": (["-f", "{dir}"], ["cannot read the prompt", "Is a directory"]),
+    "missing prompt file": (["-f", "/nonexistent.txt"], ["/nonexistent.txt", "No such file"]),
+    "broken config.json": (["-m", "{hf_broken}"], ["config.json is not valid JSON", "line 2, column 21"]),
     "host KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-nkvo"],
                                     ["KV cache needs", "12800000000000 bytes", "GiB of memory", "lower -c or -np", "-ctk"]),
     "CPU KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-ctk", "f16"],
                                    ["KV cache needs", "GiB of memory", "lower -c or -np"]),
-    "broken config.json": (["-m", "{hf_broken}"], ["config.json is not valid JSON", "line 2, column 21"]),
 }
+# cases caught before torch is imported, so before any model load
+BEFORE_TORCH = {"negative token count", "unknown kv type", "bad device name", "non-integer token count",
+                "nan temperature", "unknown flag names the run command", "prompt and file together",
+                "empty prompt", "prompt bytes not UTF-8", "prompt file not UTF-8",
+                "prompt file holds only a newline", "prompt file is a directory", "missing prompt file"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_gives_one_error_line(files, case):
     args, expect = CASES[case]
     args = [a.format(**files) for a in args]
-    if "-p" not in args:
+    if "-p" not in args and "-f" not in args:
         args += ["-p", "hello"]
     if "-n" not in args:
         args += ["-n", "2"]
     if "--device" not in args:
         args += ["--device", "cpu"]
-    line = _error_line(run_cli("run", *args, "--no-progress"))
+    res = run_cli("run", *args, "--no-progress")
+    line = _error_line(res)
     for part in expect:
         assert part in line, line
+    assert res.torch_imported == (case not in BEFORE_TORCH)
 
 
 def test_verbose_flag_shows_the_traceback():

@@ -1,6 +1,12 @@
-"""`kvferry run` end to end: the README's command, and -nkvo prints the same text with telemetry on stderr."""
+"""`kvferry run` end to end: the README's command, -nkvo prints the same text with telemetry
+on stderr, and Ctrl-C stops it cleanly."""
 
-from conftest import run_cli
+import os
+import signal
+import subprocess
+import sys
+
+from conftest import ROOT, run_cli
 
 
 def test_readme_chat_command_answers():
@@ -19,3 +25,21 @@ def test_host_cache_prints_same_text_and_telemetry():
     steps = [ln for ln in host.stderr.splitlines() if "kv step" in ln]
     assert len(steps) >= 15, host.stderr[-2000:]
     assert "pipelined depth 2" in steps[-1] and "early" in steps[-1] and "copies busy" in steps[-1]
+
+
+def test_ctrl_c_ends_the_line_and_exits_130_without_traceback():
+    # a real SIGINT in the middle of a long generation, as a terminal's Ctrl-C sends it
+    p = subprocess.Popen([sys.executable, "-m", "kvferry", "run", "-p", "Once upon a time", "-n", "4000", "-s", "1",
+                          "--device", "cpu", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        first = p.stdout.read(1)  # the first piece of generated text: decoding has begun
+        assert first, p.stderr.read().decode()[-2000:]
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    out, err = (first + out).decode(), err.decode()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and err.splitlines()[-1] == "interrupted", err[-2000:]
+    assert out.endswith("\n") and not out.endswith("\n\n") and len(out) > 1

