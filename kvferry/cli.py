@@ -12,7 +12,6 @@ import logging
 import sys
 
 from kvferry import KvferryError
-from kvferry.config import STAGING_ON
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,11 +53,6 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     k.add_argument("--kv-chunk", default="8192", help="rows per attention/delivery chunk; bounds the ring (default: 8192)")
     k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
     k.add_argument("--staging-cap", type=int, default=64, help="pinned staging buffer cap in MiB (default: 64)")
-    k.add_argument("--staging-on", choices=STAGING_ON, default="auto",
-                   help="pageable host KV: stage deliveries on the compiled pump's C worker thread, a Python "
-                        "copy thread, or the decode thread between layers; auto: the worker when the "
-                        "compiled staging pump loads, else the decode thread (default: auto; see "
-                        "docs/results.md, issue 4)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
 
@@ -83,7 +77,7 @@ def engine_config(a, **over):
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
-                  staging_cap_mib=a.staging_cap, staging_on=a.staging_on)
+                  staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=_onoff_or_error(vals["fa"], "-fa"),
                         cuda_graphs=_onoff_or_error(vals["cg"], "-cg"), kv=kv)
@@ -98,7 +92,7 @@ def _onoff_or_error(v, flag: str = "-nkvo") -> bool:
 
 def cmd_run(a) -> int:
     from kvferry.config import SamplingConfig
-    from kvferry.engine.engine import Engine
+    from kvferry.engine.generation import Engine
     from kvferry.engine.textstream import TextStream
 
     if a.n_predict < 0:

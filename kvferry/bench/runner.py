@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.bench import bound as B
-from kvferry.bench.link import link_table, probe_device_memory, probe_link
+from kvferry.bench.link import link_sweep, probe_device_memory, probe_link, sweep_table
 from kvferry.bench.report import format_rows, plot_rows
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,11 @@ def add_parser(sub):
     p.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers")
     p.add_argument("--depth-fill", default="auto", choices=["auto", "random", "prefill"],
                    help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
-    p.add_argument("--link", action="store_true", help="only probe the link: pinned, pageable and staging bandwidth")
-    p.add_argument("--link-mib", type=int, default=256, help="copy size of the link probe in MiB (default: 256)")
+    p.add_argument("--link", action="store_true",
+                   help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned")
+    p.add_argument("--link-mib", default=None,
+                   help="copy sizes of the link probe in MiB, comma list (default: 1,4,16,64,256,1024,4096 "
+                        "with --link; 256 for a benchmark's own link figure)"),
     p.add_argument("-pin", "--kv-pinned-sweep", default=None,
                    help="host cache pinned (1) or pageable (0), comma list to sweep (default: --kv-pinned)")
     add_model_args(p, sweep=True)
@@ -97,7 +100,7 @@ def _arms(a) -> list[dict]:
 class Bench:
     def __init__(self, a):
         from kvferry.cli import engine_config
-        from kvferry.engine.engine import Engine
+        from kvferry.engine.generation import Engine
         self.a = a
         self.pp = [x for x in _ints(a.n_prompt, "-p") if x > 0]
         self.tg = [x for x in _ints(a.n_gen, "-n") if x > 0]
@@ -131,11 +134,10 @@ class Bench:
     # -- caches ---------------------------------------------------------------------------
     def cache_for(self, cfg):
         """One cache per placement/type/chunk, shared by arms that differ only in transport."""
-        from kvferry.engine.engine import make_cache
         key = (cfg.kv.offload, cfg.kv.pinned, cfg.kv.kv_type, cfg.kv.chunk_rows)
         c = self.caches.get(key)
         if c is None:
-            c = make_cache(self.eng.spec_for(cfg), cfg, self.eng.device, self.eng.dtype)
+            c = self.eng.make_cache(cfg)
             self.caches[key] = c
         elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib) != (cfg.kv.depth, cfg.kv.budget_mib):
             c.set_transport(cfg.kv)
@@ -210,7 +212,8 @@ class Bench:
         tests = [("pp", n) for n in self.pp] + [("tg", n) for n in self.tg]
         for cfg in self.cfgs:
             self.cache_for(cfg)
-        link = probe_link(dev, a.link_mib, staging=any(not c.kv.pinned for c in self.cfgs if c.kv.offload))
+        link = probe_link(dev, _ints(a.link_mib or "256", "--link-mib", 1)[0],
+                          staged=eng.runner.staged if any(not c.kv.pinned for c in self.cfgs if c.kv.offload) else None)
         mem_gbps = probe_device_memory(dev)
         link_gbps = link["h2d_pinned"]
         log.info("link %.1f GB/s host to device (pinned), device memory %.0f GB/s", link_gbps, mem_gbps)
@@ -231,8 +234,7 @@ class Bench:
                         cache = self.cache_for(self.cfgs[i])
                         eng.cache = cache
                         eng.cfg = self.cfgs[i]
-                        eng.model.set_flash_attn(self.cfgs[i].flash_attn)
-                        eng.model.use_graphs = self.cfgs[i].cuda_graphs
+                        eng.runner.set_options(self.cfgs[i].flash_attn, self.cfgs[i].cuda_graphs)
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
@@ -289,30 +291,21 @@ class Bench:
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
                        declined=(cache.decline_reason or "") if host else "",
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),
-                       pinned_mib=round(_pinned_bytes(cache) / MiB, 1),
+                       pinned_mib=round(_pinned_bytes(eng, cache) / MiB, 1),
                        same=(ref_tokens.get(i) == first_tokens) if kind == "tg" else None)
             out.append(row)
         return out
 
 
-def _pinned_bytes(cache) -> int:
-    from kvferry.transport.staging import staging_pinned_bytes
+def _pinned_bytes(eng, cache) -> int:
     held = cache.spec.total_bytes if getattr(cache, "pinned", False) else 0
-    return held + staging_pinned_bytes()
+    return held + eng.runner.staged.buffer.pinned_bytes
 
 
 def cmd_bench(a) -> int:
-    from kvferry.engine.engine import resolve_device
+    from kvferry.engine.runner import resolve_device
     if a.link:
-        dev = resolve_device(a.device)
-        r = probe_link(dev, a.link_mib)
-        r["device_memory_gbps"] = probe_device_memory(dev)
-        if a.output == "md":
-            print(link_table(r))
-            print(f"\ndevice memory: {r['device_memory_gbps']:.1f} GB/s (device-to-device copy, read + write)")
-        else:
-            print(json.dumps(r))
-        return 0
+        return _cmd_link(a, resolve_device(a.device))
     bench = Bench(a)
     try:
         rows, meta = bench.run()
@@ -324,4 +317,23 @@ def cmd_bench(a) -> int:
     if a.plot:
         plot_rows(rows, a.plot)
         log.info("wrote %s", a.plot)
+    return 0
+
+
+def _cmd_link(a, dev) -> int:
+    from kvferry.transport.staging import StagedQueues
+    sizes = _ints(a.link_mib or "1,4,16,64,256,1024,4096", "--link-mib", 1)
+    staged = StagedQueues(dev, a.staging_cap << 20)
+    try:
+        bar = tqdm(total=len(sizes), desc="link", unit="size", disable=None)
+        rows = link_sweep(dev, staged, sizes, progress=bar.update)
+        bar.close()
+        mem = probe_device_memory(dev)
+    finally:
+        staged.close()
+    if a.output == "md":
+        print(sweep_table(rows))
+        print(f"\ndevice memory: {mem:.1f} GB/s (device-to-device copy, read + write)")
+    else:
+        print(json.dumps(dict(rows=rows, device_memory_gbps=round(mem, 1))))
     return 0
