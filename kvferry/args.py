@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from kvferry import KvferryError
-from kvferry.config import KV_TYPES, STAGING_ON, EngineConfig, KVConfig
+from kvferry.config import KV_TYPES, EngineConfig, KVConfig
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,11 +62,6 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     k.add_argument("--kv-chunk", default="8192", help="rows per attention/delivery chunk; bounds the ring (default: 8192)")
     k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
     k.add_argument("--staging-cap", type=int, default=64, help="pinned staging buffer cap in MiB (default: 64)")
-    k.add_argument("--staging-on", choices=STAGING_ON, default="auto",
-                   help="pageable host KV: stage deliveries on the compiled pump's C worker thread, a Python "
-                        "copy thread, or the decode thread between layers; auto: the worker when the "
-                        "compiled staging pump loads, else the decode thread (default: auto; see "
-                        "docs/results.md, issue 4)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
 
 
@@ -84,7 +79,7 @@ def engine_config(a, **over) -> EngineConfig:
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
-                  staging_cap_mib=a.staging_cap, staging_on=a.staging_on)
+                  staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
                         cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv)

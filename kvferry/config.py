@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from kvferry import KvferryError
 
-STAGING_ON = ("auto", "worker", "thread", "decode")  # --staging-on (KVConfig.staging_on)
 # KV encodings by name; kv/quant.py implements each (a test keeps the two lists equal)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "fp8")
 
@@ -26,11 +25,6 @@ class KVConfig:
     chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
-    # pageable host KV, where deliveries are staged: "worker" (the compiled pump's C delivery
-    # thread, no Python in the loop), "thread" (a Python copy thread), "decode" (the decode
-    # thread between layers); "auto": the worker when the compiled pump loads, else the
-    # decode thread. Write-backs always go through a Python copy thread.
-    staging_on: str = "auto"
 
     def __post_init__(self):
         if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
@@ -43,8 +37,6 @@ class KVConfig:
             raise KvferryError(f"--kv-chunk must be >= 1 row, got {self.chunk_rows}")
         if self.debug not in (0, 1, 2):
             raise KvferryError(f"--kv-debug must be 0, 1 or 2, got {self.debug}")
-        if self.staging_on not in STAGING_ON:
-            raise KvferryError(f"--staging-on must be one of {', '.join(STAGING_ON)}, got {self.staging_on!r}")
         if self.staging_cap_mib < 1:
             raise KvferryError(f"--staging-cap must be >= 1 MiB, got {self.staging_cap_mib}")
 

@@ -45,7 +45,7 @@ def cmd_run(a) -> int:
     if len(prompts) > cfg.num_seqs:
         raise KvferryError(f"{len(prompts)} prompts but -np is {cfg.num_seqs}: raise -np to decode them together")
 
-    from kvferry.engine.engine import Engine  # torch, and the model load: only for good input
+    from kvferry.engine.generation import Engine  # torch, and the model load: only for good input
     from kvferry.engine.textstream import TextStream
 
     eng = Engine(cfg, progress=not a.no_progress)

@@ -15,20 +15,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="session")
 def gguf_path():
-    from kvferry.engine.engine import default_model_path
+    from kvferry.engine.generation import default_model_path
     return default_model_path()
 
 
 _engines = {}
 _weights = {}
+DEVICE = "cpu"  # pytest --device cuda runs the engine tests (the exactness gates) on a GPU
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default="cpu", help="device for the engine tests: cpu (default) or cuda")
+
+
+def pytest_configure(config):
+    global DEVICE
+    DEVICE = config.getoption("--device")
 
 
 def make_engine(**kw):
-    """A CPU engine on the default model, cached by its config; engines of one dtype share
-    one copy of the weights (loading takes seconds, and CI has 24 GiB)."""
-    from kvferry.engine.engine import Engine
+    """An engine on the default model (on CPU unless pytest --device says otherwise), cached by
+    its config; engines of one dtype share one copy of the weights (loading takes seconds, and
+    CI has 24 GiB)."""
+    from kvferry.engine.generation import Engine
     kv = kw.pop("kv", {})
-    cfg = EngineConfig(device="cpu", dtype=kw.pop("dtype", "f32"), kv=KVConfig(**kv), **kw)
+    cfg = EngineConfig(device=DEVICE, dtype=kw.pop("dtype", "f32"), kv=KVConfig(**kv), **kw)
     if cfg not in _engines:
         _engines[cfg] = Engine(cfg, progress=False, share_weights=_weights.get(cfg.dtype))
         _weights.setdefault(cfg.dtype, _engines[cfg])

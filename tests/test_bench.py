@@ -114,4 +114,4 @@ def test_plot_without_matplotlib_is_refused_with_the_install_command(monkeypatch
 def test_link_probe_runs_on_cpu():
     r = run_cli("bench", "--link", "--device", "cpu", "--link-mib", "8")
     assert r.returncode == 0, r.stderr
-    assert "| pinned |" in r.stdout and "| staging |" in r.stdout and "device memory" in r.stdout
+    assert "| size MiB |" in r.stdout and "| 8 |" in r.stdout and "device memory" in r.stdout

@@ -129,21 +129,21 @@ def test_file_cut_short_is_reported_as_truncated_or_corrupt(tmp_path, tiny_bytes
     p = tmp_path / "cut.gguf"
     p.write_bytes(tiny_bytes[:keep])
     with pytest.raises(KvferryError, match="truncated or corrupt") as e:
-        load_model(str(p), CPU, torch.float32, progress=False)
+        load_model(str(p), torch.float32, progress=False)
     assert str(p) in str(e.value)
     assert "\n" not in str(e.value)
 
 
 def test_tensor_data_that_fails_to_decode_is_reported_as_truncated_or_corrupt(tmp_path, monkeypatch):
     p = write_llama_with_qtype(tmp_path / "q8.gguf", gguf.GGMLQuantizationType.Q8_0)
-    assert load_model(p, CPU, torch.float32, progress=False).weights["layers.0.w_down"].shape == (16, 32)
+    assert load_model(p, torch.float32, progress=False).weights["layers.0.w_down"].shape == (16, 32)
 
     def short_read(data, qtype):
         raise ValueError("cannot reshape array of size 100 into shape (16,34)")
 
     monkeypatch.setattr(gguf.quants, "dequantize", short_read)
     with pytest.raises(KvferryError, match="truncated or corrupt") as e:
-        load_model(p, CPU, torch.float32, progress=False)
+        load_model(p, torch.float32, progress=False)
     assert p in str(e.value) and "blk.0.ffn_down.weight" in str(e.value)
 
 
@@ -152,15 +152,14 @@ def test_unsupported_quant_is_rejected_before_any_weight_is_read(files, monkeypa
         raise AssertionError("a tensor was read")
 
     monkeypatch.setattr(gguf.quants, "dequantize", no_reads)
-    monkeypatch.setattr("kvferry.transport.upload.upload", no_reads)
     with pytest.raises(KvferryError, match="IQ2_XXS"):
-        load_model(files["iq2_xxs"], CPU, torch.float32, progress=False)
+        load_model(files["iq2_xxs"], torch.float32, upload=no_reads, progress=False)
 
 
 def test_file_without_architecture_says_so(tmp_path):
     p = write_arch(tmp_path / "noarch.gguf", "")
     with pytest.raises(KvferryError, match="general.architecture"):
-        load_model(p, CPU, torch.float32, progress=False)
+        load_model(p, torch.float32, progress=False)
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root reads any file")
@@ -169,4 +168,4 @@ def test_unreadable_file_says_it_cannot_be_opened(tmp_path, files):
     shutil.copy(files["tiny"], p)
     p.chmod(0)
     with pytest.raises(KvferryError, match="cannot open"):
-        load_model(str(p), CPU, torch.float32, progress=False)
+        load_model(str(p), torch.float32, progress=False)

@@ -13,7 +13,7 @@ from kvferry.config import EngineConfig, KVConfig
 
 
 def test_context_beyond_training_warns_once_and_runs(tmp_path, caplog):
-    from kvferry.engine.engine import Engine
+    from kvferry.engine.generation import Engine
     path = write_spm_llama(tmp_path / "tiny.gguf")
     for ctx, warned in ((CTX, False), (CTX + 1, True)):
         caplog.clear()
@@ -27,18 +27,18 @@ def test_context_beyond_training_warns_once_and_runs(tmp_path, caplog):
 
 
 def test_kv_cache_beyond_host_memory_is_refused_before_allocation(monkeypatch):
-    from kvferry.engine import engine
+    from kvferry.engine import runner
     from kvferry.kv.cache import KVSpec
     gib = 2**30
-    monkeypatch.setattr(engine, "host_memory_bytes", lambda: (4 * gib, gib // 2))
+    monkeypatch.setattr(runner, "host_memory_bytes", lambda: (4 * gib, gib // 2))
     # 2 layers x 1M rows x 2 heads x (64 f16 values = 128 bytes) x K and V: 1 GiB
     big = KVSpec(num_layers=2, num_seqs=1, ctx=1 << 20, num_kv_heads=2, head_dim=64, kv_type="f16", chunk_rows=8192)
     assert big.total_bytes == gib
-    cpu = torch.device("cpu")
+    run = runner.ModelRunner.__new__(runner.ModelRunner)  # placement only: no model needed
+    run.device, run.dtype, run._staged, run._staging_cap = torch.device("cpu"), torch.float32, None, 1 << 20
     for offload in (True, False):  # host cache, and a device-resident cache whose device is the CPU
-        cfg = EngineConfig(device="cpu", kv=KVConfig(offload=offload))
         with pytest.raises(KvferryError, match=r"needs 1.0 GiB \(1073741824 bytes.* 4.0 GiB of memory, 0.5 GiB of it available: lower -c"):
-            engine.make_cache(big, cfg, cpu, torch.float32)
+            run.make_cache(big, KVConfig(offload=offload))
     small = KVSpec(num_layers=2, num_seqs=1, ctx=16, num_kv_heads=2, head_dim=64, kv_type="f16", chunk_rows=8)
-    engine.make_cache(small, EngineConfig(device="cpu"), cpu, torch.float32)  # fits: made
-    engine.check_host_memory(big, EngineConfig(), torch.device("cuda"))  # GPU memory: not host memory's business
+    run.make_cache(small, KVConfig())  # fits: made
+    runner.check_host_memory(big, KVConfig(), torch.device("cuda"))  # GPU memory: not host memory's business

@@ -3,7 +3,8 @@
 Checked on the mapping itself: /proc/self/smaps lists, per mapping of this process, how much of
 it is in anonymous huge pages. Where the system's THP setting is "never" (or not Linux) there is
 nothing to see and those tests skip; with "always" every large mapping gets them anyway, so the
-negative control (KVFERRY_HOST_THP=0 leaves the pages small) needs "madvise".
+negative control (memory that was not advised stays in small pages) needs "madvise". Also:
+pinning in pieces, and the host cache's fallback to pageable memory when pinning fails.
 """
 
 import pytest
@@ -47,12 +48,55 @@ def test_host_memory_is_aligned_zero_and_in_huge_pages(n):
     assert bool((t == 1).all())
 
 
-def test_switched_off_leaves_pages_small(monkeypatch):
+def test_memory_from_the_allocator_stays_in_small_pages():
+    # negative control for the huge-page check: the same size from torch's allocator, not advised
     _mode_or_skip("madvise")
-    monkeypatch.setenv("KVFERRY_HOST_THP", "0")
-    t = hostmem.alloc_host(64 * MiB)
+    t = torch.empty(64 * MiB, dtype=torch.uint8)
     t.fill_(1)
     assert _huge_bytes_at(t.data_ptr()) == 0
+
+
+def test_pinning_in_pieces_and_undoing_a_failed_pin(monkeypatch):
+    calls = []
+    monkeypatch.setattr(hostmem, "PIN_PIECE", MiB)
+    monkeypatch.setattr(hostmem, "register", lambda p, n: calls.append(("reg", p, n)) or (3 if len(calls) == 3 else 0))
+    monkeypatch.setattr(hostmem, "unregister", lambda p: calls.append(("unreg", p)))
+    t = hostmem.alloc_host(4 * MiB + 5)
+    with pytest.raises(hostmem.PinError, match="failed at 2 MiB"):
+        hostmem.pin(t, "a test")
+    base = t.data_ptr()
+    assert [c[:2] for c in calls] == [("reg", base), ("reg", base + MiB), ("reg", base + 2 * MiB),
+                                      ("unreg", base), ("unreg", base + MiB)]
+    calls.clear()
+    monkeypatch.setattr(hostmem, "register", lambda p, n: calls.append(("reg", p, n)) or 0)
+    unpin = hostmem.pin(t, "a test")
+    assert [n for _, _, n in calls] == [MiB] * 4 + [5]
+    unpin()
+    assert sum(c[0] == "unreg" for c in calls) == 5
+
+
+def test_host_cache_that_cannot_be_pinned_falls_back_to_pageable(monkeypatch, caplog):
+    import logging
+
+    from kvferry.config import KVConfig
+    from kvferry.kv.cache import KVSpec
+    from kvferry.transport.host_cache import HostKVCache
+    monkeypatch.setattr(hostmem, "register", lambda p, n: 2)
+    spec = KVSpec(num_layers=2, num_seqs=1, ctx=64, num_kv_heads=2, head_dim=32, kv_type="f32", chunk_rows=16)
+    with caplog.at_level(logging.WARNING):
+        cache = HostKVCache(spec, KVConfig(offload=True, pinned=True, depth=1), torch.device("cpu"), torch.float32,
+                            progress=False)
+    try:
+        assert not cache.pinned
+        assert sum("stays pageable" in r.message for r in caplog.records) == 1, "one line says why"
+        assert type(cache.deliver).__name__ in ("NativeQueue", "PyStagedQueue")
+    finally:
+        cache.close()
+    monkeypatch.setattr(hostmem, "register", lambda p, n: 0)  # the control: pinning works
+    cache = HostKVCache(spec, KVConfig(offload=True, pinned=True, depth=1), torch.device("cpu"), torch.float32,
+                        progress=False)
+    assert cache.pinned and type(cache.deliver).__name__ == "ThreadQueue"
+    cache.close()
 
 
 def test_views_keep_the_mapping_alive():

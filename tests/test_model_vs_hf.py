@@ -92,7 +92,7 @@ def _tiny_hf(tmp_path, kind, **extra):
 ])
 def test_safetensors_checkpoints_match_transformers(tmp_path, kind, extra):
     from kvferry.config import EngineConfig, KVConfig
-    from kvferry.engine.engine import Engine
+    from kvferry.engine.generation import Engine
     hf, path = _tiny_hf(tmp_path, kind, **extra)
     eng = Engine(EngineConfig(model=path, device="cpu", dtype="f32", ctx_size=256,
                               kv=KVConfig(chunk_rows=32)), progress=False)

@@ -172,34 +172,32 @@ def test_slow_write_backs_change_nothing():
 
 
 @pytest.mark.parametrize("broken", [{}, dict(_unsafe_skip_writeback_wait=True)])
-def test_worker_deliveries_behind_slow_write_backs(broken):
-    """Pageable deliveries on the pump's C worker thread, write-backs slowed down: the output
-    stays that of a device-resident cache (the worker holds each delivery until its waits
-    are recorded: its gates, tests/test_staging.py). Negative control: without the
-    write-back waits, the gate catches the reads of rows not yet written back."""
-    from kvferry.transport.native import load_pump
-    if load_pump(False) is None:
-        pytest.skip("the compiled staging pump could not be built here (no C compiler?)")
+def test_pageable_deliveries_behind_slow_write_backs(broken):
+    """Pageable host KV: deliveries and write-backs on the staging queues (the compiled worker
+    where it builds), write-backs slowed down: the output stays that of a device-resident cache
+    (a delivery is held until its waits are marked: its gates, tests/test_staging.py).
+    Negative control: without the write-back waits, the gate catches the reads of rows not yet
+    written back."""
     ref_eng = _engine({}, np_=8)
     prompts = _prompts(ref_eng, 8)
     ref = _run(ref_eng, prompts, 6)
-    eng = _engine(dict(offload=True, depth=2, pinned=False, staging_on="worker"), np_=8)
+    eng = _engine(dict(offload=True, depth=2, pinned=False), np_=8)
     caught = False
     for seed in range(4 if broken else 1):
         old = _with_cache(eng, _delay_s={1: (0.01, 0.02)}, _seed=seed, **broken)
-        assert eng.cache.staging_on == "worker" and eng.cache.engine.native is not None
+        assert not eng.cache.pinned
         try:
             got = _run(eng, prompts, 6)
         finally:
             _restore(eng, old)
         try:
-            _assert_same({"device": ref, "worker-slow-write-backs": got})
+            _assert_same({"device": ref, "pageable-slow-write-backs": got})
         except AssertionError:
             if not broken:
                 raise
             caught = True
             break
-    assert caught == bool(broken), f"the gate did not catch {broken} with the worker"
+    assert caught == bool(broken), f"the gate did not catch {broken} on the staging queues"
 
 
 def test_budget_too_small_falls_back_to_ordered_with_identical_output(caplog):
@@ -218,8 +216,8 @@ def test_pageable_host_cache_matches_pinned_and_device():
     results = {}
     for name, kv in {"device": {}, "pinned": dict(offload=True, depth=1),
                      "pageable": dict(offload=True, depth=1, pinned=False),
-                     "pageable-copy-thread": dict(offload=True, depth=2, pinned=False, staging_on="thread"),
-                     "pageable-worker": dict(offload=True, depth=2, pinned=False, staging_on="worker")}.items():
+                     "pageable-ordered": dict(offload=True, depth=0, pinned=False),
+                     "pageable-kvpd4": dict(offload=True, depth=4, pinned=False)}.items():
         eng = _engine(kv)
         prompts = prompts or _prompts(eng, 1)
         results[name] = _run(eng, prompts, 32)
@@ -254,42 +252,7 @@ def test_host_write_waits_for_deliveries_in_flight():
         cache.write_host_rows(0, 0, 0, zeros, zeros)  # must wait for the delivery first
         assert torch.equal(cache.slot_k[slot][0, :8], before), "the delivery saw the later write"
         assert torch.equal(cache.host_k[0][0, :8], zeros)
-        cache.engine.fence()
+        cache.fence()
         cache.batch = None
     finally:
         _restore(eng, old)
-
-
-def test_inline_lane_copies_on_the_calling_thread():
-    """An inline lane (pageable deliveries staged by the decode thread) runs each copy on the
-    caller, complete on return with its signal marked; an error reaches the caller at once and
-    still marks the signal. A queued lane, the control, runs on the engine's worker."""
-    import threading
-
-    from kvferry.transport.engine import ThreadCopyEngine
-    seen = []
-
-    def copy_fn(jobs, lane, waits, record, keep):
-        seen.append((lane, threading.current_thread()))
-        for dst, src in jobs:
-            if src.numel() == 0:
-                raise RuntimeError("empty source")
-            dst.copy_(src)
-
-    eng = ThreadCopyEngine(torch.device("cpu"), copy_fn=copy_fn, inline_lanes=(0,))
-    try:
-        src, dst = torch.arange(64, dtype=torch.uint8), torch.zeros(64, dtype=torch.uint8)
-        sig = eng.event("ready")
-        eng.copy([(dst, src)], [], sig, lane=0)
-        assert torch.equal(dst, src) and sig.done == sig.armed == 1
-        assert seen[-1] == (0, threading.current_thread())
-        with pytest.raises(RuntimeError, match="empty source"):
-            eng.copy([(dst[:0], src[:0])], [], sig, lane=0)
-        assert sig.done == sig.armed == 2  # no waiter hangs on a failed copy
-        wb, back = eng.event("wb"), torch.zeros(64, dtype=torch.uint8)
-        eng.copy([(back, dst)], [sig], wb, lane=1)
-        eng.fence()
-        assert torch.equal(back, src) and wb.done == 1
-        assert seen[-1][0] == 1 and seen[-1][1] is not threading.current_thread()
-    finally:
-        eng.close()

@@ -50,8 +50,11 @@ def _add_flags(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers (1 up to the shape's own)")
     p.add_argument("--depth-fill", default="auto", choices=["auto", "random", "prefill"],
                    help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
-    p.add_argument("--link", action="store_true", help="only probe the link: pinned, pageable and staging bandwidth")
-    p.add_argument("--link-mib", type=int, default=256, help="copy size of the link probe in MiB (default: 256)")
+    p.add_argument("--link", action="store_true",
+                   help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned")
+    p.add_argument("--link-mib", default=None,
+                   help="copy sizes of the link probe in MiB, comma list (default: 1,4,16,64,256,1024,4096 "
+                        "with --link; 256 for a benchmark's own link figure)")
     p.add_argument("-pin", "--kv-pinned-sweep", default=None,
                    help="host cache pinned (1) or pageable (0), comma list to sweep (default: --kv-pinned)")
     add_model_args(p, sweep=True)
@@ -174,6 +177,7 @@ def _arms(a) -> list[dict]:
 
 
 def cmd_bench(a) -> int:
+    a.link_mib = _ints(a.link_mib or ("1,4,16,64,256,1024,4096" if a.link else "256"), "--link-mib", 1)
     if a.link:
         return _link_only(a)
     plan = make_plan(a)
@@ -194,14 +198,22 @@ def cmd_bench(a) -> int:
 
 
 def _link_only(a) -> int:
-    from kvferry.bench.link import link_table, probe_device_memory, probe_link
-    from kvferry.engine.engine import resolve_device
+    from kvferry.bench.link import link_sweep, probe_device_memory, sweep_table
+    from kvferry.engine.runner import resolve_device
+    from kvferry.transport.staging import StagedQueues
+    from tqdm import tqdm
     dev = resolve_device(a.device)
-    r = probe_link(dev, a.link_mib)
-    r["device_memory_gbps"] = probe_device_memory(dev)
+    staged = StagedQueues(dev, a.staging_cap << 20)
+    try:
+        bar = tqdm(total=len(a.link_mib), desc="link", unit="size", disable=None)
+        rows = link_sweep(dev, staged, a.link_mib, progress=bar.update)
+        bar.close()
+        mem = probe_device_memory(dev)
+    finally:
+        staged.close()
     if a.output == "md":
-        print(link_table(r))
-        print(f"\ndevice memory: {r['device_memory_gbps']:.1f} GB/s (device-to-device copy, read + write)")
+        print(sweep_table(rows))
+        print(f"\ndevice memory: {mem:.1f} GB/s (device-to-device copy, read + write)")
     else:
-        print(json.dumps(r))
+        print(json.dumps(dict(rows=rows, device_memory_gbps=round(mem, 1))))
     return 0

@@ -1,5 +1,11 @@
-"""Link probe: host<->device bandwidth (pinned, pageable, through the staging buffer) and
-device memory bandwidth, measured in the same run as the benchmark that uses them."""
+"""Link probe: host<->device bandwidth (pinned, pageable, through the staging queues) and
+device memory bandwidth, measured in the same run as the benchmark that uses them.
+
+Two measurements per staged size: `single`, one copy alone (its latency, as a weight upload
+sees it), and `stream`, back-to-back copies of that size (at least STREAM_BYTES in all, from
+distinct offsets) as KV deliveries see them. Every figure is also given as % of the pinned
+copy of the same size in the same run.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import time
 import torch
 
 MiB = 1 << 20
+STREAM_BYTES = 512 * MiB
 
 
 def _time_ms(fn, device, reps=5) -> float:
@@ -29,8 +36,15 @@ def _gbps(nbytes, ms):
     return nbytes / (ms * 1e-3) / 1e9
 
 
-def probe_link(device: torch.device, size_mib: int = 256, staging: bool = True, reps: int = 5) -> dict:
-    """GB/s for each path, on `size_mib` MiB. On CPU the 'link' is a host memcpy."""
+def _staged_d2h(staged, dst, src):
+    done = staged.d2h.event("probe")
+    staged.d2h.submit([(dst, src)], signal=done)
+    done.wait_host(done.armed)
+
+
+def probe_link(device: torch.device, size_mib: int = 256, staged=None, reps: int = 5) -> dict:
+    """GB/s of one copy of `size_mib` MiB per path (`staged`: the engine's StagedQueues, to
+    include them). On CPU the 'link' is a host memcpy."""
     n = size_mib * MiB
     dev = torch.empty(n, dtype=torch.uint8, device=device)
     pageable = torch.empty(n, dtype=torch.uint8).fill_(7)
@@ -44,12 +58,61 @@ def probe_link(device: torch.device, size_mib: int = 256, staging: bool = True, 
         del pinned
     else:
         out["h2d_pinned"], out["d2h_pinned"] = out["h2d_pageable"], out["d2h_pageable"]
-    if staging:
-        from kvferry.transport.staging import get_staging
-        st = get_staging(device)
-        out["h2d_staging"] = _gbps(n, _time_ms(lambda: st.copy_to_device(dev, pageable), device, reps))
-        out["d2h_staging"] = _gbps(n, _time_ms(lambda: st.copy_to_host(pageable, dev), device, reps))
+    if staged is not None:
+        out["h2d_staging"] = _gbps(n, _time_ms(lambda: staged.upload(dev, pageable), device, reps))
+        out["d2h_staging"] = _gbps(n, _time_ms(lambda: _staged_d2h(staged, pageable, dev), device, reps))
     return out
+
+
+def link_sweep(device: torch.device, staged, sizes_mib: list[int], reps: int = 5, progress=None) -> list[dict]:
+    """Per size: pinned and plain pageable copies, and staged single and stream copies, each
+    direction, in GB/s and % of pinned."""
+    big = max(max(sizes_mib) * MiB, STREAM_BYTES)
+    host = torch.empty(big, dtype=torch.uint8).fill_(3)  # pageable
+    dev = torch.empty(big, dtype=torch.uint8, device=device)
+    pinned = torch.empty(max(sizes_mib) * MiB, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    rows = []
+    for size in sizes_mib:
+        n = size * MiB
+        k = max(1, STREAM_BYTES // n)  # copies in a stream, at distinct offsets
+        offs = [(i * n) % (big - n + 1) for i in range(k)]
+
+        def h2d_stream():
+            for o in offs:
+                staged.h2d.submit([(dev[o:o + n], host[o:o + n])])
+            staged.h2d.fence()
+
+        def d2h_stream():
+            for o in offs:
+                staged.d2h.submit([(host[o:o + n], dev[o:o + n])])
+            staged.d2h.fence()
+
+        r = dict(size_mib=size,
+                 h2d_pinned=_gbps(n, _time_ms(lambda: dev[:n].copy_(pinned[:n], non_blocking=True), device, reps)),
+                 d2h_pinned=_gbps(n, _time_ms(lambda: pinned[:n].copy_(dev[:n], non_blocking=True), device, reps)),
+                 h2d_pageable=_gbps(n, _time_ms(lambda: dev[:n].copy_(host[:n]), device, reps)),
+                 h2d_single=_gbps(n, _time_ms(lambda: staged.upload(dev[:n], host[:n]), device, reps)),
+                 h2d_stream=_gbps(n * k, _time_ms(h2d_stream, device, reps)),
+                 d2h_single=_gbps(n, _time_ms(lambda: _staged_d2h(staged, host[:n], dev[:n]), device, reps)),
+                 d2h_stream=_gbps(n * k, _time_ms(d2h_stream, device, reps)))
+        for key in ("h2d_pageable", "h2d_single", "h2d_stream"):
+            r[key + "_pct"] = round(100 * r[key] / r["h2d_pinned"], 1)
+        for key in ("d2h_single", "d2h_stream"):
+            r[key + "_pct"] = round(100 * r[key] / r["d2h_pinned"], 1)
+        rows.append({k: round(v, 2) if isinstance(v, float) else v for k, v in r.items()})
+        if progress:
+            progress()
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    out = ["| size MiB | pinned H2D GB/s | pageable copy_ | staged single | staged stream | "
+           "pinned D2H GB/s | staged D2H single | staged D2H stream |", "|---:" * 8 + "|"]
+    for r in rows:
+        out.append(f"| {r['size_mib']} | {r['h2d_pinned']:.1f} | {r['h2d_pageable_pct']:.0f}% | "
+                   f"{r['h2d_single_pct']:.0f}% | {r['h2d_stream_pct']:.0f}% | {r['d2h_pinned']:.1f} | "
+                   f"{r['d2h_single_pct']:.0f}% | {r['d2h_stream_pct']:.0f}% |")
+    return "\n".join(out)
 
 
 def probe_device_memory(device: torch.device, size_mib: int = 1024, reps: int = 5) -> float:
@@ -61,10 +124,3 @@ def probe_device_memory(device: torch.device, size_mib: int = 1024, reps: int = 
     b = torch.empty_like(a)
     return _gbps(2 * n, _time_ms(lambda: b.copy_(a), device, reps))
 
-
-def link_table(r: dict) -> str:
-    rows = ["| path | host to device GB/s | device to host GB/s |", "|---|---:|---:|"]
-    for name in ("pinned", "pageable", "staging"):
-        if f"h2d_{name}" in r:
-            rows.append(f"| {name} | {r[f'h2d_{name}']:.1f} | {r[f'd2h_{name}']:.1f} |")
-    return "\n".join(rows)

@@ -28,7 +28,7 @@ MiB = 1 << 20
 
 class Bench:
     def __init__(self, a, plan: BenchPlan | None = None):
-        from kvferry.engine.engine import Engine
+        from kvferry.engine.generation import Engine
         plan = plan or make_plan(a)
         self.a = a
         self.pp, self.tg, self.depths, self.arms = plan.pp, plan.tg, plan.depths, plan.arms
@@ -44,11 +44,10 @@ class Bench:
     # -- caches ---------------------------------------------------------------------------
     def cache_for(self, cfg):
         """One cache per placement/type/chunk, shared by arms that differ only in transport."""
-        from kvferry.engine.engine import make_cache
         key = (cfg.kv.offload, cfg.kv.pinned, cfg.kv.kv_type, cfg.kv.chunk_rows)
         c = self.caches.get(key)
         if c is None:
-            c = make_cache(self.eng.spec_for(cfg), cfg, self.eng.device, self.eng.dtype)
+            c = self.eng.make_cache(cfg)
             self.caches[key] = c
         elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib) != (cfg.kv.depth, cfg.kv.budget_mib):
             c.set_transport(cfg.kv)
@@ -123,7 +122,8 @@ class Bench:
         tests = [("pp", n) for n in self.pp] + [("tg", n) for n in self.tg]
         for cfg in self.cfgs:
             self.cache_for(cfg)
-        link = probe_link(dev, a.link_mib, staging=any(not c.kv.pinned for c in self.cfgs if c.kv.offload))
+        pageable = any(not c.kv.pinned for c in self.cfgs if c.kv.offload)
+        link = probe_link(dev, a.link_mib[0], staged=eng.runner.staged if pageable else None)
         mem_gbps = probe_device_memory(dev)
         link_gbps = link["h2d_pinned"]
         log.info("link %.1f GB/s host to device (pinned), device memory %.0f GB/s", link_gbps, mem_gbps)
@@ -144,8 +144,7 @@ class Bench:
                         cache = self.cache_for(self.cfgs[i])
                         eng.cache = cache
                         eng.cfg = self.cfgs[i]
-                        eng.model.set_flash_attn(self.cfgs[i].flash_attn)
-                        eng.model.use_graphs = self.cfgs[i].cuda_graphs
+                        eng.runner.set_options(self.cfgs[i].flash_attn, self.cfgs[i].cuda_graphs)
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
@@ -202,13 +201,12 @@ class Bench:
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
                        declined=(cache.decline_reason or "") if host else "",
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),
-                       pinned_mib=round(_pinned_bytes(cache) / MiB, 1),
+                       pinned_mib=round(_pinned_bytes(eng, cache) / MiB, 1),
                        same=(ref_tokens.get(i) == first_tokens) if kind == "tg" else None)
             out.append(row)
         return out
 
 
-def _pinned_bytes(cache) -> int:
-    from kvferry.transport.staging import staging_pinned_bytes
+def _pinned_bytes(eng, cache) -> int:
     held = cache.spec.total_bytes if getattr(cache, "pinned", False) else 0
-    return held + staging_pinned_bytes()
+    return held + eng.runner.staged.buffer.pinned_bytes

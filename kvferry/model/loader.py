@@ -1,8 +1,9 @@
 """Weight loading: GGUF (through the `gguf` package) and Hugging Face safetensors
 directories, plus random weights of a preset shape for speed runs.
 
-Each tensor is read (memory-mapped), dequantized to the compute dtype and moved to the
-device before the next one is touched, so the host never holds a second full copy of the
+Each tensor is read (memory-mapped), dequantized to the compute dtype and handed to the
+caller's upload function (the engine's, which places it on the device) before the next one
+is touched, so the host never holds a second full copy of the
 model. Internal names: embed, norm, lm_head, rope_freqs, layers.{i}.{attn_norm, wq, wk,
 wv, bq, bk, bv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down}.
 """
@@ -46,6 +47,9 @@ HF_LAYER_NAMES = {
 }
 GGUF_SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K",
                   "Q4_K", "Q5_K", "Q6_K")
+
+
+Upload = Callable[[torch.Tensor], torch.Tensor] | None  # host tensor -> the same on the device
 
 
 @dataclass
@@ -183,17 +187,17 @@ def _gguf_tensors(reader, cfg: ModelConfig, path: str = "model") -> Iterator[tup
         yield name, read
 
 
-def load_gguf(path: str, device, dtype, progress=True) -> LoadedModel:
+def load_gguf(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
     # listing the tensors first rejects an unsupported type before any weight is read
-    weights = _materialize(list(_gguf_tensors(reader, cfg, path)), cfg, device, dtype,
+    weights = _materialize(list(_gguf_tensors(reader, cfg, path)), cfg, dtype, upload,
                            "load " + os.path.basename(path), progress)
     return LoadedModel(cfg, weights, path, os.path.getsize(path), reader)
 
 
 # ---------------------------------------------------------------------------- safetensors
-def load_hf_dir(path: str, device, dtype, progress=True) -> LoadedModel:
+def load_hf_dir(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
     from safetensors import safe_open
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -214,18 +218,18 @@ def load_hf_dir(path: str, device, dtype, progress=True) -> LoadedModel:
             name = _map_name(key, HF_NAMES, HF_LAYER_NAMES, r"model\.layers\.(\d+)\.(.+)")
             if name is not None:
                 items.append((name, lambda h=handle, k=key: h.get_tensor(k)))
-    weights = _materialize(items, cfg, device, dtype, "load " + os.path.basename(path.rstrip("/")), progress)
+    weights = _materialize(items, cfg, dtype, upload, "load " + os.path.basename(path.rstrip("/")), progress)
     return LoadedModel(cfg, weights, path, size)
 
 
-def _materialize(items, cfg: ModelConfig, device, dtype, desc, progress) -> dict[str, torch.Tensor]:
-    from kvferry.transport.upload import upload
+def _materialize(items, cfg: ModelConfig, dtype, upload: Upload, desc, progress) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     bar = _progress(len(items), desc) if progress else None
     for name, read in items:
         w = read()
         keep_f32 = name == "rope_freqs"
-        weights[name] = upload(w, device, torch.float32 if keep_f32 else dtype)
+        w = w.to(torch.float32 if keep_f32 else dtype).contiguous()
+        weights[name] = upload(w) if upload is not None else w
         del w
         if bar:
             bar.update()
@@ -278,13 +282,15 @@ def random_weights(cfg: ModelConfig, device, dtype, seed=0, progress=True) -> Lo
     return LoadedModel(cfg, weights, "random", sum(w.numel() * w.element_size() for w in weights.values()))
 
 
-def load_model(path: str, device, dtype, progress=True) -> LoadedModel:
+def load_model(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
+    """Load a .gguf file or a Hugging Face directory; `upload` places each host tensor (already
+    in its dtype) where the model runs (None: it stays in host memory)."""
     if os.path.isdir(path):
-        return load_hf_dir(path, device, dtype, progress)
+        return load_hf_dir(path, dtype, upload, progress)
     if not os.path.exists(path):
         raise KvferryError(f"model file not found: {path}")
     if not path.endswith(".gguf"):
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise KvferryError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-    return load_gguf(path, device, dtype, progress)
+    return load_gguf(path, dtype, upload, progress)

@@ -38,7 +38,7 @@ def _fuse(weights: dict, cfg: ModelConfig) -> None:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, flash_attn: bool = True, cuda_graphs: bool = True):
+                 dtype: torch.dtype, flash_attn: bool = True):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
         if "layers.0.wqkv" not in weights:
             _fuse(weights, cfg)
@@ -49,8 +49,6 @@ class Transformer:
         self.num_q_local = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
         self.set_flash_attn(flash_attn)
-        self.use_graphs = cuda_graphs  # decode passes replay CUDA graphs (CUDA devices only)
-        self._graphs: dict[tuple[int, str], DecodeGraphs] = {}
 
     def set_flash_attn(self, on: bool) -> None:
         """Fused attention per chunk (-fa on) or plain matmuls (-fa off). Either way every
@@ -60,9 +58,8 @@ class Transformer:
 
     def forward(self, tokens: torch.Tensor | list[int], batch: Batch, cache: KVCache) -> torch.Tensor:
         """tokens (N,) ids (a device tensor or a list) -> logits (B, vocab) float32 at each
-        sequence's last new token."""
-        if self.use_graphs and self.device.type == "cuda" and all(c == 1 for c in batch.counts):
-            return self._decode_graphs(batch.num_tokens, cache).run(tokens, batch, cache)
+        sequence's last new token. Eager: the engine replays CUDA graphs of the same ops for
+        decode (engine/graphs.py)."""
         cfg, w = self.cfg, self.w
         if not isinstance(tokens, torch.Tensor):
             tokens = index_tensor(tokens, self.device)
@@ -73,16 +70,16 @@ class Transformer:
         try:
             x = F.embedding(tokens, w["embed"])  # (N, hidden)
             for i in range(cfg.num_layers):
-                q, kq, vq = self._pre(i, x, cos, sin, cache.spec.kv_type)
+                q, kq, vq = self.pre(i, x, cos, sin, cache.spec.kv_type)
                 cache.write_codes(i, kq, vq)
-                x = self._post(i, x, self._attend(i, q, batch, cache))
+                x = self.post(i, x, self.attend(i, q, batch, cache))
         finally:
             cache.end()
         last = slice(-1, None) if one else index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
-        return self._head(x[last])
+        return self.head(x[last])
 
     # -- the parts of a layer that do not touch the cache (CUDA graphs capture these) -------
-    def _pre(self, layer: int, x, cos, sin, kv_type: str):
+    def pre(self, layer: int, x, cos, sin, kv_type: str):
         """attention norm, q/k/v projection, RoPE, and the new rows' KV encoding ->
         q (N, Hq, D), K and V codes (N, Hkv, row_bytes)."""
         cfg, w, d = self.cfg, self.w, self.cfg.head_dim
@@ -99,7 +96,7 @@ class Transformer:
             q, k = qk[:, :hq], qk[:, hq:]
         return (q,) + encode_kv(k, v, kv_type)
 
-    def _post(self, layer: int, x, attn):
+    def post(self, layer: int, x, attn):
         """output projection, residual, MLP norm, MLP, residual."""
         p = f"layers.{layer}."
         x = x + F.linear(attn, self.w[p + "wo"])
@@ -107,20 +104,11 @@ class Transformer:
         gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
         return x + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
 
-    def _head(self, x):
+    def head(self, x):
         return F.linear(rms_norm(x, self.w["norm"], self.cfg.rms_eps), self.lm_head).float()
 
-    def _decode_graphs(self, n: int, cache: KVCache) -> "DecodeGraphs":
-        key = (n, cache.spec.kv_type)
-        g = self._graphs.get(key)
-        if g is None or g.max_pos < cache.spec.ctx - 1:
-            if g is not None:  # a longer context needs longer RoPE tables: capture again
-                self._graphs.clear()
-            g = self._graphs[key] = DecodeGraphs(self, n, cache.spec.kv_type, cache.spec.ctx - 1)
-        return g
-
     # -- attention over the cache (eager: its shapes change every step) ----------------------
-    def _attend(self, layer: int, q, batch: Batch, cache: KVCache):
+    def attend(self, layer: int, q, batch: Batch, cache: KVCache):
         """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window."""
         d, hkv, g = self.cfg.head_dim, self.num_kv_local, self.group
         # per sequence: queries as (Hkv, G*T, D), grouped under their kv head
@@ -205,74 +193,3 @@ def _merge(parts):
     # chunk 0 holds row 0, which every query sees, so the max is finite
     w = torch.exp(lse - lse.amax(0, keepdim=True))
     return (o * w.unsqueeze(-1)).sum(0) / w.sum(0).unsqueeze(-1)
-
-
-class DecodeGraphs:
-    """CUDA graphs for decode passes of N tokens (one per sequence): eager PyTorch spends
-    more host time launching a layer's ~25 small kernels than the GPU spends running them,
-    so the fixed-shape parts are captured once and replayed. Segment 0 is the embedding,
-    the RoPE lookup and layer 0's `_pre`; segment i is layer i-1's `_post` and layer i's
-    `_pre`; the last is the final `_post` and the head. Between segments, eager code does
-    what changes shape every step: the cache write, the chunked attention over the window
-    (and with it the transport's copies and events), and the copy of the attention output
-    into the next segment's static input. Every placement runs the same graphs, so output
-    bits still do not depend on where the cache lives.
-
-    The static K/V code outputs of a segment are overwritten when it is replayed in the
-    next pass; the host cache's write-backs read them, so a host cache makes each pass
-    wait for the previous pass's write-backs (HostKVCache.begin)."""
-
-    def __init__(self, model: Transformer, n: int, kv_type: str, max_pos: int):
-        self.model, self.max_pos = model, max_pos
-        dev, dt, L = model.device, model.dtype, model.cfg.num_layers
-        model.rope.tables(slice(0, 1), max_pos, dt)  # grow the tables now: graphs hold their addresses
-        self.inp = torch.zeros(2, n, dtype=torch.long, device=dev)  # token ids, positions
-        self.attn_in = [torch.zeros(n, model.num_q_local * model.cfg.head_dim, dtype=dt, device=dev) for _ in range(L)]
-
-        def seg0():
-            cos, sin = model.rope.tables(self.inp[1], max_pos, dt)
-            x = F.embedding(self.inp[0], model.w["embed"])
-            return (cos, sin, x) + model._pre(0, x, cos, sin, kv_type)
-
-        def seg(i):
-            def f():
-                cos, sin = self.outs[0][0], self.outs[0][1]
-                x = model._post(i - 1, self.outs[i - 1][-4], self.attn_in[i - 1])
-                if i == L:
-                    return (model._head(x),)
-                return (x,) + model._pre(i, x, cos, sin, kv_type)
-            return f
-
-        fns = [seg0] + [seg(i) for i in range(1, L + 1)]
-        torch.cuda.synchronize(dev)
-        side = torch.cuda.Stream(dev)
-        with torch.cuda.stream(side):  # warm-up (lazy library init) outside capture
-            self.outs = []
-            for f in fns:
-                self.outs.append(f())
-        torch.cuda.synchronize(dev)
-        pool = torch.cuda.graph_pool_handle()
-        self.graphs, self.outs = [], []
-        for f in fns:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
-                out = f()
-            self.graphs.append(g)
-            self.outs.append(out)
-        torch.cuda.synchronize(dev)
-
-    def run(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
-        model = self.model
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        self.inp.copy_(torch.tensor([ids, batch.positions()], dtype=torch.long).pin_memory(), non_blocking=True)
-        cache.begin(batch)
-        try:
-            self.graphs[0].replay()
-            for i in range(model.cfg.num_layers):
-                q, kq, vq = self.outs[i][-3:]
-                cache.write_codes(i, kq, vq, static=True)
-                self.attn_in[i].copy_(model._attend(i, q, batch, cache))
-                self.graphs[i + 1].replay()
-        finally:
-            cache.end()
-        return self.outs[-1][0].clone()  # the static output is overwritten by the next pass

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 from dataclasses import dataclass
 
@@ -41,17 +40,17 @@ from tqdm import tqdm
 from kvferry import KvferryError
 from kvferry.config import KVConfig
 from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, KVCache, KVSpec, index_tensor
-from kvferry.transport.engine import CopyEngine, CudaCopyEngine, ThreadCopyEngine
-from kvferry.transport.hostmem import alloc_host, thp_enabled, thp_mode
+from kvferry.transport import hostmem
+from kvferry.transport.events import Compute
+from kvferry.transport.queues import StreamQueue, ThreadQueue
+from kvferry.transport.staging import StagedQueues
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 HEADROOM_BYTES = 1 << 30  # keep this much device memory free beyond the ring (activations)
-
-
-STAGED_ON = {"worker": "the staging pump's C worker thread", "thread": "a copy thread",
-             "decode": "the decode thread"}
-STAGED_SWITCH_S = 2e-4  # thread switch interval while staged copies run (see _make_engine)
+# Above this share of the machine's RAM the host cache is not pinned: pinned pages cannot be
+# reclaimed, and the rest of the system would be left too little.
+MAX_PINNED_SHARE = 0.8
 
 
 @dataclass(frozen=True)
@@ -84,26 +83,43 @@ def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> Ring
 
 
 class HostKVCache(KVCache):
+    """`staged`: the device's staging queues (the engine's), used when the cache is pageable;
+    without them a pageable cache makes its own. Test hooks: `_delay_s` (lo, hi) seconds, or
+    {lane: (lo, hi)} with lane 0 deliveries and 1 write-backs, slows copies down; the
+    `_unsafe_*` flags break one ordering each (the gates' negative controls)."""
+
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
-                 _delay_s=None, _unsafe_skip_ready=False, _unsafe_early_recycle=False,
-                 _unsafe_skip_writeback_wait=False, _unsafe_trust_prefetch=False, _seed=0):
+                 staged: StagedQueues | None = None, _delay_s=None, _unsafe_skip_ready=False,
+                 _unsafe_early_recycle=False, _unsafe_skip_writeback_wait=False,
+                 _unsafe_trust_prefetch=False, _seed=0):
         super().__init__(spec, device, dtype)
         self.kv = kv
-        self.pinned = kv.pinned and device.type == "cuda"
         self._unsafe_skip_ready = _unsafe_skip_ready  # negative controls for the gates
         self._unsafe_skip_wb = _unsafe_skip_writeback_wait
         self._unsafe_trust_prefetch = _unsafe_trust_prefetch  # use prefetched units even for another pass
-        self.engine = self._make_engine(_delay_s, _seed)
-        self._alloc_host(progress)
         self._unsafe_early_recycle = _unsafe_early_recycle  # no margin and no release wait
+        self.pinned = self._alloc_host(progress)
+        delays = _delay_s if isinstance(_delay_s, dict) or _delay_s is None else {0: _delay_s, 1: _delay_s}
+        delays = delays or {}
+        self._own_staged = None
+        if self.pinned:
+            make = StreamQueue if device.type == "cuda" else ThreadQueue
+            self.lanes = tuple(make(device, delays.get(i), _seed + i) for i in range(2))
+        else:
+            if staged is None or delays:
+                staged = self._own_staged = StagedQueues(device, kv.staging_cap_mib * MiB)
+            self.lanes = (staged.h2d, staged.d2h)
+            for i, q in enumerate(self.lanes):
+                q.delay_s = delays.get(i)
+        self.deliver, self.writeback = self.lanes
+        self.compute = Compute(device)
         self._build_ring()
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
         self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
-        where = "pinned" if self.pinned or self.device.type != "cuda" and kv.pinned else (
-            f"pageable, deliveries staged on {STAGED_ON[self.staging_on]}")
-        log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB, where, self.describe())
+        log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB,
+                 "pinned" if self.pinned else "pageable (copies through the staging buffer)", self.describe())
 
     # -- setup ---------------------------------------------------------------------------
     def _build_ring(self):
@@ -120,16 +136,17 @@ class HostKVCache(KVCache):
         except torch.OutOfMemoryError:
             raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
                                "lower --kv-chunk or -np") from None
-        self.ready = [self.engine.event(f"ready{i}") for i in range(n)]
-        self.release = [self.engine.event(f"release{i}") for i in range(n)]
-        self.rows_written = self.engine.event("rows_written")  # new rows quantized on the compute side
+        ev = self.deliver.event
+        self.ready = [ev(f"ready{i}") for i in range(n)]
+        self.release = [ev(f"release{i}") for i in range(n)]
+        self.rows_written = ev("rows_written")  # new rows quantized on the compute side
         # write-backs of alternate passes signal alternate events, so a pass's first delivery
         # can wait for the previous pass's write-backs without waiting for its own
-        self.wb_done = [self.engine.event("wb_done0"), self.engine.event("wb_done1")]
+        self.wb_done = [ev("wb_done0"), ev("wb_done1")]
 
     def set_transport(self, kv: KVConfig) -> None:
         """Switch delivery mode/depth/budget, keeping the host cache (pinning it again is slow)."""
-        self.engine.fence()
+        self.fence()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.kv = kv
@@ -138,72 +155,55 @@ class HostKVCache(KVCache):
         self._pf = None
         log.info("host KV transport: %s", self.describe())
 
-    def _make_engine(self, delay_s, seed) -> CopyEngine:
-        self.staging_on = None  # pageable only: where deliveries are staged (KVConfig.staging_on)
-        if self.device.type == "cuda" and self.pinned:
-            return CudaCopyEngine(self.device, delay_s, seed)
-        if self.kv.pinned:  # CPU: plain copies on the stand-in copy engine
-            return ThreadCopyEngine(self.device, delay_s, seed)
-        from kvferry.transport.staging import get_staging
-        staging = get_staging(self.device, self.kv.staging_cap_mib * MiB)
-        if self.device.type == "cuda" and sys.getswitchinterval() > STAGED_SWITCH_S:
-            # The copy threads take the GIL back several times per chunk (after each memcpy,
-            # launch and event wait) while the decode thread runs Python; at CPython's default
-            # 5 ms switch interval a busy decode thread keeps it that long each time. Measured
-            # on the H200 (docs/results.md, issue 4). Process-wide, so it is logged.
-            log.info("pageable host KV on %s: Python thread switch interval %.1f -> %.1f ms",
-                     self.device, sys.getswitchinterval() * 1e3, STAGED_SWITCH_S * 1e3)
-            sys.setswitchinterval(STAGED_SWITCH_S)
+    def fence(self) -> None:
+        """The host waits for every copy in flight (never inside the decode loop)."""
+        for q in self.lanes:
+            q.fence()
 
-        def staged(jobs, lane, waits, record, keep):  # lane 0 deliveries, lane 1 write-backs
-            # the staging streams wait for and record the transport's events themselves
-            copy = staging.copy_all_to_device if lane == 0 else staging.copy_all_to_host
-            copy(jobs, waits=waits, record=record, keep=keep)
-        # Where deliveries are staged (auto): on the pump's C worker thread when the compiled
-        # pump loads, so no step of a delivery waits for the GIL (a Python copy thread takes it
-        # back after every pump call, and each hand-over with the decode thread costs time);
-        # without the pump on the decode thread, since a second Python thread running the
-        # Python loop loses time at every hand-over (docs/results.md, issue 4). Either way the
-        # DMAs run under the compute of earlier layers. Write-backs stay on a Python thread:
-        # draining one waits for the compute that produced its rows.
-        on = self.kv.staging_on
-        if on == "auto":
-            on = "worker" if self.device.type == "cuda" and staging.worker_pump() is not None else "decode"
-        if on == "worker" and staging.worker_pump() is None:
-            raise KvferryError("--staging-on worker needs the compiled staging pump, which could not be "
-                               "built or loaded here (see the log; a C compiler is needed, and "
-                               "KVFERRY_NATIVE=0 turns it off); use --staging-on decode or thread")
-        self.staging_on = on
-        native = None
-        if on == "worker":
-            native = (staging.submit_to_device, lambda ctr, gen: staging.wait_signal((ctr, gen)),
-                      staging.synchronize, staging.worker_pump().store)
-        return ThreadCopyEngine(self.device, delay_s, seed, copy_fn=staged, fence_fn=staging.synchronize,
-                                inline_lanes=(0,) if on == "decode" else (), native=native)
-
-    def _alloc_host(self, progress):
+    def _alloc_host(self, progress) -> bool:
+        """Allocate (and pin, if asked and possible) the host cache; returns whether it is pinned."""
         spec = self.spec
         shape = spec.layer_shape()
-        self.host_k, self.host_v = [], []
-        bar = tqdm(total=spec.num_layers, desc="host KV alloc", unit="layer", leave=False,
-                   disable=(not progress) or spec.total_bytes < (1 << 30) or None)
         nbytes = math.prod(shape)
+        pin = self.kv.pinned
+        ram = hostmem.physical_memory()
+        if pin and ram and spec.total_bytes > MAX_PINNED_SHARE * ram:
+            log.warning("host KV: %.1f GiB is more than %d%% of this machine's %.1f GiB of RAM: not pinned, "
+                        "copies go through the staging buffer", spec.total_bytes / 2**30,
+                        100 * MAX_PINNED_SHARE, ram / 2**30)
+            pin = False
+        self.host_k, self.host_v, self._unpins = [], [], []
+        bar = tqdm(total=spec.num_layers, desc="host KV alloc" + (" + pin" if pin else ""), unit="layer",
+                   leave=False, disable=(not progress) or spec.total_bytes < (1 << 30) or None)
+        pin_s, t_start = 0.0, time.perf_counter()
         for _ in range(spec.num_layers):
             for lst in (self.host_k, self.host_v):
-                if self.pinned:
-                    t = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
-                else:  # huge pages where the system gives them: every step streams these pages
-                    t = alloc_host(nbytes).view(shape)
+                t = hostmem.alloc_host(nbytes)  # huge pages where the system gives them
                 t.zero_()  # every page now, with progress, not at the first decode steps
-                lst.append(t)
+                if pin:
+                    t0 = time.perf_counter()
+                    try:
+                        self._unpins.append(hostmem.pin(t, "the host KV cache"))
+                    except hostmem.PinError as e:
+                        log.warning("host KV: %s; the cache stays pageable, copies go through the staging "
+                                    "buffer", e)
+                        self._unpin()
+                        pin = False
+                    pin_s += time.perf_counter() - t0
+                lst.append(t.view(shape))
             bar.update()
         bar.close()
-        if not self.pinned:
-            log.debug("host KV: pageable, huge pages %s (system THP setting %s)",
-                      "asked for" if thp_enabled() else "off (KVFERRY_HOST_THP=0)", thp_mode())
+        if pin and pin_s > 0.5:
+            log.info("host KV: allocated in %.1f s, of which pinning %.1f s", time.perf_counter() - t_start, pin_s)
         # per layer and sequence: views made once, so a copy's source is one slice per step
         self._hk = [[t[q] for q in range(spec.num_seqs)] for t in self.host_k]
         self._hv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_v]
+        return pin
+
+    def _unpin(self) -> None:
+        for f in self._unpins:
+            f()
+        self._unpins = []
 
     @property
     def slot_rows(self) -> int:
@@ -273,14 +273,15 @@ class HostKVCache(KVCache):
             self._late.append(ranges or None)
         self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0)
         self._t0 = time.perf_counter()
-        self.engine.timing = self.kv.debug >= 2
-        self._copy0 = self.engine.copy_seconds() if self.engine.timing else 0.0
+        for q in self.lanes:
+            q.timing = self.kv.debug >= 2
+        self._copy0 = self._copy_seconds() if self.kv.debug >= 2 else 0.0
         while self._issued < min(self.depth, self._units):
             self._issue_next()
         if self.steps and not self._unsafe_skip_wb:
             # the model may encode this pass's rows into the buffers the previous pass's
             # write-backs read from (CUDA graph outputs): compute waits for those copies
-            self.engine.compute_wait(self.wb_done[(self.steps - 1) % 2])
+            self.compute.wait(self.wb_done[(self.steps - 1) % 2])
 
     def _issue_next(self):
         self._step["early"] += self._issue(self.batch, self._nchunks, self._unit0, self._issued)
@@ -304,7 +305,7 @@ class HostKVCache(KVCache):
         waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
             waits.append(self.wb_done[(self.steps - 1) % 2])
-        self.engine.copy(jobs, waits, self.ready[slot])
+        self.deliver.submit(jobs, waits, self.ready[slot])
         return sent
 
     @staticmethod
@@ -348,11 +349,11 @@ class HostKVCache(KVCache):
                 jobs.append((self._hv[layer][s][start:end], vq[o0:o1]))
         self._step["writeback"] += 2 * kq.numel()
         # the copy side must not read the rows before the compute side has produced them
-        self.engine.compute_record(self.rows_written)
+        self.compute.record(self.rows_written)
         # static buffers (CUDA graph outputs) are never freed, and the next pass waits for
         # these copies before overwriting them (begin()); other tensors are kept from reuse
-        self.engine.copy(jobs, [self.rows_written], self.wb_done[self.steps % 2],
-                         keep=() if static else [kq, vq], lane=1)
+        self.writeback.submit(jobs, [self.rows_written], self.wb_done[self.steps % 2],
+                              keep=() if static else [kq, vq])
 
     def window(self, layer):
         c = self.spec.chunk_rows
@@ -363,7 +364,7 @@ class HostKVCache(KVCache):
                 self._issue_next()
             slot = (self._unit0 + u) % self.num_slots
             if not self._unsafe_skip_ready:
-                self.engine.compute_wait(self.ready[slot])
+                self.compute.wait(self.ready[slot])
             sk, sv = self.slot_k[slot], self.slot_v[slot]
             late = self._late[i]
             if late is not None:
@@ -390,7 +391,7 @@ class HostKVCache(KVCache):
                 ks.append(self._sk[slot][j][:n] if n > 0 else None)
                 vs.append(self._sv[slot][j][:n] if n > 0 else None)
             yield Chunk(i, i * c, ks, vs)
-            self.engine.compute_record(self.release[slot])
+            self.compute.record(self.release[slot])
         self._new[layer] = None
 
     def end(self):
@@ -411,14 +412,14 @@ class HostKVCache(KVCache):
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 wall = (time.perf_counter() - self._t0) * 1e3
-                copy = (self.engine.copy_seconds() - self._copy0) * 1e3
+                copy = (self._copy_seconds() - self._copy0) * 1e3
                 msg += f"; step {wall:.2f} ms, copies busy {copy:.2f} ms, the rest {wall - copy:.2f} ms"
             log.info(msg)
 
     # -- host writes -----------------------------------------------------------------------
     def reset(self, seq_id):
         # the sequence's cells are about to be rewritten: deliveries still reading them finish first
-        self.engine.fence()
+        self.fence()
         self._drop_prefetch()
         super().reset(seq_id)
 
@@ -428,14 +429,23 @@ class HostKVCache(KVCache):
 
     def write_host_rows(self, layer, seq_id, start, kq, vq):
         """Write encoded rows straight into host memory (bench depth fill); waits for copies in flight."""
-        self.engine.fence()
+        self.fence()
         self._drop_prefetch()
         n = kq.shape[0]
         self.host_k[layer][seq_id, start:start + n].copy_(kq)
         self.host_v[layer][seq_id, start:start + n].copy_(vq)
 
+    def _copy_seconds(self) -> float:
+        return sum(q.busy_seconds() for q in self.lanes)
+
     def close(self):
-        self.engine.close()
+        self.fence()
+        if self.pinned:
+            for q in self.lanes:
+                q.close()
+        elif self._own_staged is not None:
+            self._own_staged.close()
+        self._unpin()
 
     def stats(self):
         return dict(mode="pipelined" if self.depth else "ordered", depth=self.depth,

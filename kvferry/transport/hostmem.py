@@ -1,19 +1,18 @@
-"""Host memory for the pageable KV cache and the staging halves: transparent huge pages.
+"""Host memory for the KV cache and the staging halves: huge pages, and pinning with a fallback.
 
 Every decode step with a pageable host cache reads the whole context through the host memcpy
 into the staging halves. With 4 KiB pages that stream touches a new page (a TLB entry, and in a
-virtual machine a two-level page walk) every 4 KiB, and the CPU's prefetchers stop at each page
-boundary; 2 MiB pages remove almost all of that. Linux gives anonymous memory huge pages where a
-mapping asks for them with madvise(MADV_HUGEPAGE) when the system setting is "madvise" (the
-common default; with "always" they come anyway, with "never" the call does nothing). PyTorch
-does the same for its own CPU allocations only when THP_MEM_ALLOC_ENABLE is set before it
-starts, for every tensor; here it is asked for these buffers alone.
+virtual machine a two-level page walk) every 4 KiB; 2 MiB pages remove almost all of that.
+Linux gives anonymous memory huge pages where a mapping asks for them with
+madvise(MADV_HUGEPAGE) (system setting "madvise", the common default; "always" gives them
+anyway, "never" not at all). The memory is a private anonymous mapping of its own, not the CPU
+allocator's: an allocation below glibc's mmap threshold can come from heap pages already
+touched, which stay small whatever is advised.
 
-The memory is a private anonymous mapping of its own (Python's mmap, which also gives the
-madvise call), not the CPU allocator's: an allocation below glibc's mmap threshold (up to
-32 MiB) can come from heap pages already touched, which stay small whatever is advised.
-
-Set KVFERRY_HOST_THP=0 to leave the pages small (for A/B measurements).
+Pinning (page-locking for DMA) is done in place with cudaHostRegister, in pieces of at most
+PIN_PIECE bytes (one registration of hundreds of GiB fails on some drivers). It can fail (a
+locked-memory limit, a container); `pin` then unregisters what it did and raises PinError, and
+the caller falls back to pageable memory.
 """
 
 from __future__ import annotations
@@ -21,24 +20,25 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+from typing import Callable
 
 import torch
 
 HUGE_PAGE = 2 << 20
+PIN_PIECE = 1 << 30
 
 
-def thp_enabled() -> bool:
-    """Whether kvferry asks for huge pages (KVFERRY_HOST_THP, default on; Linux only)."""
-    return sys.platform.startswith("linux") and os.environ.get("KVFERRY_HOST_THP", "1") != "0"
+class PinError(RuntimeError):
+    """Host memory could not be pinned; the message says why."""
 
 
 def alloc_host(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of fresh anonymous host memory (zero, no page touched yet) as a 1-D uint8
-    tensor that keeps the mapping alive; 2 MiB-aligned and advised for huge pages when
-    ``thp_enabled()``, page-aligned otherwise. The pages come when first written."""
+    """`nbytes` of fresh anonymous host memory (zero, no page touched yet) as a 1-D uint8 tensor
+    that keeps the mapping alive; 2 MiB-aligned and advised for huge pages where the system has
+    them, page-aligned otherwise. The pages come when first written."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # not POSIX: the allocator's memory
         return torch.empty(nbytes, dtype=torch.uint8)
-    huge = thp_enabled() and hasattr(mmap, "MADV_HUGEPAGE")
+    huge = sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE")
     pad = HUGE_PAGE if huge else 0
     m = mmap.mmap(-1, max(1, nbytes + pad), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -50,6 +50,56 @@ def alloc_host(nbytes: int) -> torch.Tensor:
         except OSError:  # a kernel without THP: small pages, nothing else changes
             pass
     return whole[off:off + nbytes]
+
+
+def _cuda_register(ptr: int, nbytes: int) -> int:
+    if not torch.cuda.is_available():
+        return 0  # nothing pins here, and the CPU reads the memory as it is
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+
+
+def _cuda_unregister(ptr: int) -> None:
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the driver may be gone already
+        pass
+
+
+# the registration calls; tests replace them to make pinning fail on CPU
+register: Callable[[int, int], int] = _cuda_register
+unregister: Callable[[int], None] = _cuda_unregister
+
+
+def pin(mem: torch.Tensor, what: str) -> Callable[[], None]:
+    """Pin a 1-D uint8 tensor in place, in pieces; returns the function that unpins it (call it
+    only once no copy uses the memory). Raises PinError, with nothing left pinned, on failure."""
+    done: list[int] = []
+    base, n = mem.data_ptr(), mem.numel()
+    for off in range(0, n, PIN_PIECE):
+        err = register(base + off, min(PIN_PIECE, n - off))
+        if err:
+            for p in done:
+                unregister(p)
+            raise PinError(f"pinning {n / 2**20:.0f} MiB for {what} failed at {off / 2**20:.0f} MiB "
+                           f"(CUDA error {err}: the locked-memory limit, or the driver refused)")
+        done.append(base + off)
+
+    def unpin(mem=mem):  # keeps the memory alive until unpinned
+        for p in done:
+            unregister(p)
+        done.clear()
+    return unpin
+
+
+def physical_memory() -> int:
+    """Bytes of RAM on this machine (0 if unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
 
 
 def thp_mode() -> str | None:

@@ -1,33 +1,36 @@
-/* Chunk pump for the staging buffer: host to device copies from pageable memory, run from one
- * call that never holds Python's GIL (ctypes releases it for the call).
+/* Staged copies between pageable host memory and a device, run by a C thread that never takes
+ * Python's GIL: the copy queue of one direction of the staging buffer (staging.py).
  *
  * Why C: the same loop in Python takes the GIL back after every memcpy, launch and event wait,
  * and with the decode thread running Python beside it each hand-over costs up to a thread
- * switch interval; on the H200 machine that Python made the pageable decode step 2-3x the
- * pinned one (docs/results.md, issue 4). Nothing here is new logic: staging.py holds the
- * reference loop, which this one mirrors chunk for chunk and which the tests compare it to.
+ * switch interval; on the H200 machine that made the pageable decode step 2-3x the pinned one
+ * (docs/results.md). staging.py holds the reference loop in Python, which this one mirrors
+ * chunk for chunk and which the tests compare it to.
  *
- * Per chunk: wait until the half's previous DMA is done (its event), memcpy the chunk into the
- * half on `nthreads` OpenMP threads, queue the DMA on the staging stream, record the half's
- * event. The CUDA runtime functions come in as pointers (from the libcudart that PyTorch
- * loaded), so this file needs no CUDA headers; with `fns` NULL the "DMA" is a plain memcpy into
- * the destination (CPU), which lets the loop run where there is no GPU.
+ * A lane is one direction: two pinned halves, an event per half, one copy stream. Jobs run in
+ * submission order, one at a time, so a job holds the halves for all of its chunks. Per chunk,
+ * host to device: wait until the half's previous DMA is done (its event), memcpy the chunk into
+ * the half on OpenMP threads, queue the DMA, record the half's event. Device to host: queue the
+ * chunk's DMA into a half, record its event, and while it runs drain the previous chunk from the
+ * other half into its pageable destination. A job first waits for its gates (counters that
+ * other threads set right after they record the CUDA events the job depends on), then makes
+ * the stream wait for those events; after its last DMA it records `record` and sets its signal.
+ *
+ * The CUDA runtime functions come in as pointers (from the libcudart that PyTorch loaded), so
+ * this file needs no CUDA headers. With `cuda` NULL the "DMA" is a plain memcpy (CPU), which
+ * lets the same loop run in CI.
  */
 #include <pthread.h>
 #include <stddef.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__x86_64__)
-#include <emmintrin.h>
-#endif
 
 typedef int (*memcpy_async_fn)(void *dst, const void *src, size_t n, int kind, void *stream);
-typedef int (*event_fn)(void *event);                     /* cudaEventSynchronize */
-typedef int (*record_fn)(void *event, void *stream);      /* cudaEventRecord */
+typedef int (*event_fn)(void *event);                             /* cudaEventSynchronize */
+typedef int (*record_fn)(void *event, void *stream);              /* cudaEventRecord */
 typedef int (*wait_fn)(void *stream, void *event, unsigned flags);  /* cudaStreamWaitEvent */
-typedef int (*set_device_fn)(int device);                 /* cudaSetDevice */
+typedef int (*set_device_fn)(int device);                         /* cudaSetDevice */
 
 struct kvf_cuda {
     memcpy_async_fn memcpy_async;
@@ -37,195 +40,34 @@ struct kvf_cuda {
     set_device_fn set_device;
 };
 
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
+struct kvf_lane {           /* fixed for the life of a worker */
+    int to_device;          /* 1: host to device, 0: device to host */
+    int nthreads;           /* memcpy threads */
+    int device;
+    void *stream;           /* the lane's copy stream (NULL on CPU) */
+    void *half_event[2];    /* recorded after each DMA through a half (NULL on CPU) */
+};
 
-/* Copy modes: KVF_COPY_MEMCPY is glibc's memcpy; KVF_COPY_STREAM writes with non-temporal
- * (streaming) stores, which skip reading the destination's lines into the cache before
- * overwriting them and leave no dirty lines for the DMA engine to snoop. glibc switches to such
- * stores only above a size threshold that the per-thread pieces here stay under. Where the
- * CPU has no such stores (not x86-64), STREAM is memcpy. */
-enum { KVF_COPY_MEMCPY = 0, KVF_COPY_STREAM = 1 };
+struct kvf_pair {
+    char *dst;
+    char *src;
+    size_t n;
+};
 
-static void copy_piece(char *dst, const char *src, size_t n, int mode) {
-#if defined(__x86_64__)
-    if (mode == KVF_COPY_STREAM && n >= 256) {
-        size_t head = (64 - ((uintptr_t)dst & 63)) & 63;  /* to a cache line of dst */
-        memcpy(dst, src, head);
-        dst += head, src += head, n -= head;
-        size_t body = n & ~(size_t)63;
-        for (size_t i = 0; i < body; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
-            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
-            _mm_stream_si128((__m128i *)(dst + i), a);
-            _mm_stream_si128((__m128i *)(dst + i + 16), b);
-            _mm_stream_si128((__m128i *)(dst + i + 32), c);
-            _mm_stream_si128((__m128i *)(dst + i + 48), d);
-        }
-        _mm_sfence();  /* the streamed lines are visible before this thread's next store */
-        memcpy(dst + body, src + body, n - body);
-        return;
-    }
-#endif
-    (void)mode;
-    memcpy(dst, src, n);
-}
-
-static void par_memcpy(char *dst, const char *src, size_t n, int nthreads, int mode) {
-    /* one piece per thread, cut at 4 KiB so no two threads write one page */
-    if (nthreads <= 1 || n < ((size_t)256 << 10)) {
-        copy_piece(dst, src, n, mode);
-        return;
-    }
-    size_t piece = (n / nthreads + 4095) & ~(size_t)4095;
-    #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int i = 0; i < nthreads; i++) {
-        size_t off = (size_t)i * piece;
-        if (off < n)
-            copy_piece(dst + off, src + off, n - off < piece ? n - off : piece, mode);
-    }
-}
-
-/* The memcpy alone, for benchmarks/host_copy_probe.py. */
-void kvf_copy(char *dst, const char *src, size_t n, int nthreads, int mode) {
-    par_memcpy(dst, src, n, nthreads, mode);
-}
-
-/* Copies n_pairs (dst, src, size) through two halves in chunks of chunk[i] bytes for pair i,
- * starting in half `h`, the memcpy in copy mode `mode`. On CUDA the stream first waits for the n_waits events in `waits`, and
- * `record` (when not NULL) is recorded after the last DMA: the whole event-ordered call is one
- * trip out of Python. times[0..2] accumulate seconds waiting for a half, in memcpy, and
- * issuing; counts[0] accumulates chunks. skip_half_wait is a test-only negative control. Returns the half the next copy starts in (0 or 1), or
- * -1000 - err when a CUDA call fails with err. */
-int kvf_h2d(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
-            char *half0, char *half1, void *ev0, void *ev1, void *stream, int h, int nthreads,
-            int mode, const struct kvf_cuda *cuda, double *times, long *counts, int skip_half_wait,
-            int n_waits, void **waits, void *record) {
-    char *halves[2] = {half0, half1};
-    void *events[2] = {ev0, ev1};
-    for (int i = 0; cuda && i < n_waits; i++) {
-        if (!waits[i])
-            continue;  /* never recorded: nothing to wait for (PyTorch does the same) */
-        int err = cuda->stream_wait(stream, waits[i], 0);
-        if (err)
-            return -1000 - err;
-    }
-    for (int p = 0; p < n_pairs; p++) {
-        for (size_t off = 0; off < sizes[p]; off += chunk[p]) {
-            size_t n = sizes[p] - off < chunk[p] ? sizes[p] - off : chunk[p];
-            double t0 = now();
-            /* the half's last DMA may still read it (skip_half_wait: test-only negative control) */
-            int err = cuda && !skip_half_wait ? cuda->event_sync(events[h]) : 0;
-            if (err)
-                return -1000 - err;
-            double t1 = now();
-            par_memcpy(halves[h], srcs[p] + off, n, nthreads, mode);
-            double t2 = now();
-            if (cuda) {
-                err = cuda->memcpy_async(dsts[p] + off, halves[h], n, 1 /* host to device */, stream);
-                if (!err)
-                    err = cuda->event_record(events[h], stream);
-                if (err)
-                    return -1000 - err;
-            } else {
-                memcpy(dsts[p] + off, halves[h], n);
-            }
-            times[0] += t1 - t0;
-            times[1] += t2 - t1;
-            times[2] += now() - t2;
-            counts[0] += 1;
-            h ^= 1;
-        }
-    }
-    if (cuda && record) {
-        int err = cuda->event_record(record, stream);
-        if (err)
-            return -1000 - err;
-    }
-    return h;
-}
-
-/* Device to host, for the event-ordered write-backs: after the stream waits for `waits`, each
- * chunk's DMA goes into a half, and while it runs the previous chunk is drained from the other
- * half into its pageable destination; `record` is recorded after the last DMA. Returns 0, or
- * -1000 - err. CUDA only (the CPU path stays in staging.py). */
-int kvf_d2h(int n_pairs, char **dsts, char **srcs, const size_t *sizes, const size_t *chunk,
-            char *half0, char *half1, void *ev0, void *ev1, void *stream, int nthreads,
-            int mode, const struct kvf_cuda *cuda, double *times, long *counts,
-            int n_waits, void **waits, void *record) {
-    char *halves[2] = {half0, half1};
-    void *events[2] = {ev0, ev1};
-    int err = 0, h = 0, pend_h = -1;
-    char *pend_dst = NULL;
-    size_t pend_n = 0;
-    for (int i = 0; i < n_waits && !err; i++)
-        if (waits[i])  /* never recorded: nothing to wait for */
-            err = cuda->stream_wait(stream, waits[i], 0);
-    for (int p = 0; p < n_pairs && !err; p++) {
-        for (size_t off = 0; off < sizes[p] && !err; off += chunk[p]) {
-            size_t n = sizes[p] - off < chunk[p] ? sizes[p] - off : chunk[p];
-            double t0 = now();
-            err = cuda->memcpy_async(halves[h], srcs[p] + off, n, 2 /* device to host */, stream);
-            if (!err)
-                err = cuda->event_record(events[h], stream);
-            times[2] += now() - t0;
-            counts[0] += 1;
-            if (!err && pend_h >= 0) {  /* drain the previous chunk under this one's DMA */
-                double t1 = now();
-                err = cuda->event_sync(events[pend_h]);
-                double t2 = now();
-                par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads, mode);
-                times[0] += t2 - t1;
-                times[1] += now() - t2;
-            }
-            pend_h = h;
-            pend_dst = dsts[p] + off;
-            pend_n = n;
-            h ^= 1;
-        }
-    }
-    if (!err && pend_h >= 0) {
-        double t1 = now();
-        err = cuda->event_sync(events[pend_h]);
-        double t2 = now();
-        if (!err)
-            par_memcpy(pend_dst, halves[pend_h], pend_n, nthreads, mode);
-        times[0] += t2 - t1;
-        times[1] += now() - t2;
-    }
-    if (!err && record)
-        err = cuda->event_record(record, stream);
-    return err ? -1000 - err : 0;
-}
-
-/* ---- The delivery worker: a copy thread with no Python in it ------------------------------
- *
- * The transport's deliveries as a queue of jobs run by one pthread, so no step of a delivery
- * needs the GIL: the decode thread submits a job (pairs, events, gates, the event to record)
- * and goes on; the worker waits for the job's gates (counters that other threads set when
- * the events they guard have been recorded, the host side of the transport's SlotEvents),
- * then runs kvf_h2d for it (stream waits, chunks, record), then publishes the job's signal
- * counter. Jobs run in submission order, one at a time, so a job holds the halves for all
- * of its chunks as a Python-side copy holds the direction's lock. Errors are sticky until
- * taken; a job after an error is skipped but still signalled, so no waiter hangs. */
-
-struct kvf_job {
+struct kvf_job {            /* one submit(); the arrays are copied at submit */
+    int n_pairs, n_waits, n_gates;
+    struct kvf_pair *pairs;
+    size_t chunk;           /* bytes per chunk (the last of a pair may be shorter) */
+    char *half[2];
+    void **waits;           /* CUDA events the stream waits for first */
+    long long **gate_ctr;   /* ... once these counters reach gate_gen */
+    long long *gate_gen;
+    void *record;           /* CUDA event recorded after the last DMA, or NULL */
+    long long *signal_ctr;  /* set to signal_gen when the job is issued (CPU: done) */
+    long long signal_gen;
+    long delay_us;          /* test hook: sleep before the job */
     struct kvf_job *next;
     long long ticket;
-    int n_pairs, n_waits, n_gates;
-    char **dsts, **srcs;
-    size_t *sizes, *chunk;
-    void **waits;
-    long long **gate_ctr, *gate_gen;
-    char *half0, *half1;
-    void *ev0, *ev1, *stream, *record;
-    long long *signal_ctr, signal_gen;
-    int nthreads, mode;
 };
 
 struct kvf_worker {
@@ -234,14 +76,97 @@ struct kvf_worker {
     pthread_cond_t cv_job, cv_done;
     struct kvf_job *head, *tail;
     long long submitted, done;
-    int err, stop, h, device, has_cuda;
+    int err, stop, h, has_cuda;
     struct kvf_cuda cuda;
-    double times[3];
-    long chunks;
+    struct kvf_lane lane;
+    double busy_s;          /* seconds spent running jobs (gates and delays excluded) */
 };
 
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void par_memcpy(char *dst, const char *src, size_t n, int nthreads) {
+    /* one piece per thread, cut at 4 KiB so no two threads write one page */
+    if (nthreads <= 1 || n < ((size_t)256 << 10)) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t piece = (n / nthreads + 4095) & ~(size_t)4095;
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int i = 0; i < nthreads; i++) {
+        size_t off = (size_t)i * piece;
+        if (off < n)
+            memcpy(dst + off, src + off, n - off < piece ? n - off : piece);
+    }
+}
+
+/* Host to device: returns the half the next job starts in, or -1000 - err on a CUDA error. */
+static int run_h2d(const struct kvf_lane *ln, const struct kvf_cuda *cu, const struct kvf_job *j, int h) {
+    for (int p = 0; p < j->n_pairs; p++) {
+        const struct kvf_pair *pr = &j->pairs[p];
+        for (size_t off = 0; off < pr->n; off += j->chunk) {
+            size_t n = pr->n - off < j->chunk ? pr->n - off : j->chunk;
+            /* the half's last DMA may still read it */
+            int err = cu ? cu->event_sync(ln->half_event[h]) : 0;
+            if (err)
+                return -1000 - err;
+            par_memcpy(j->half[h], pr->src + off, n, ln->nthreads);
+            if (cu) {
+                err = cu->memcpy_async(pr->dst + off, j->half[h], n, 1 /* host to device */, ln->stream);
+                if (!err)
+                    err = cu->event_record(ln->half_event[h], ln->stream);
+                if (err)
+                    return -1000 - err;
+            } else {
+                memcpy(pr->dst + off, j->half[h], n);
+            }
+            h ^= 1;
+        }
+    }
+    return h;
+}
+
+/* Device to host: every byte is in the destinations on return; 0 or -1000 - err. */
+static int run_d2h(const struct kvf_lane *ln, const struct kvf_cuda *cu, const struct kvf_job *j) {
+    int h = 0, pend = -1, err = 0;
+    char *pend_dst = NULL;
+    size_t pend_n = 0;
+    for (int p = 0; p <= j->n_pairs && !err; p++) {
+        const struct kvf_pair *pr = p < j->n_pairs ? &j->pairs[p] : NULL;
+        size_t total = pr ? pr->n : 0;
+        for (size_t off = 0; (pr ? off < total : pend >= 0) && !err; off += j->chunk) {
+            size_t n = 0;
+            if (pr) {  /* queue this chunk's DMA into half h */
+                n = total - off < j->chunk ? total - off : j->chunk;
+                if (cu) {
+                    err = cu->memcpy_async(j->half[h], pr->src + off, n, 2 /* device to host */, ln->stream);
+                    if (!err)
+                        err = cu->event_record(ln->half_event[h], ln->stream);
+                } else {
+                    memcpy(j->half[h], pr->src + off, n);
+                }
+            }
+            if (!err && pend >= 0) {  /* drain the previous chunk under this one's DMA */
+                err = cu ? cu->event_sync(ln->half_event[pend]) : 0;
+                if (!err)
+                    par_memcpy(pend_dst, j->half[pend], pend_n, ln->nthreads);
+            }
+            if (pr) {
+                pend = h, pend_dst = pr->dst + off, pend_n = n;
+                h ^= 1;
+            } else {
+                pend = -1;  /* the tail: drained, nothing new */
+            }
+        }
+    }
+    return err ? -1000 - err : 0;
+}
+
 static int gate_wait(struct kvf_worker *w, long long *ctr, long long gen) {
-    /* another thread marks the counter right after it records the event: a short poll;
+    /* another thread sets the counter right after it records the event: a short poll;
      * -1 when the worker is being stopped meanwhile (the job is then skipped) */
     struct timespec ts = {0, 20000};
     while (__atomic_load_n(ctr, __ATOMIC_ACQUIRE) < gen) {
@@ -252,10 +177,37 @@ static int gate_wait(struct kvf_worker *w, long long *ctr, long long gen) {
     return 0;
 }
 
+static int run_job(struct kvf_worker *w, const struct kvf_job *j, int *h) {
+    const struct kvf_cuda *cu = w->has_cuda ? &w->cuda : NULL;
+    for (int i = 0; i < j->n_gates; i++)
+        if (gate_wait(w, j->gate_ctr[i], j->gate_gen[i]))
+            return 0;
+    if (j->delay_us > 0) {
+        struct timespec ts = {j->delay_us / 1000000, (j->delay_us % 1000000) * 1000};
+        nanosleep(&ts, NULL);
+    }
+    double t0 = now();
+    int err = 0;
+    for (int i = 0; cu && i < j->n_waits && !err; i++)
+        if (j->waits[i])  /* never recorded: nothing to wait for (PyTorch does the same) */
+            err = cu->stream_wait(w->lane.stream, j->waits[i], 0);
+    if (err)
+        return err;
+    int r = w->lane.to_device ? run_h2d(&w->lane, cu, j, *h) : run_d2h(&w->lane, cu, j);
+    if (r < 0)
+        return -1000 - r;
+    if (w->lane.to_device)
+        *h = r;
+    if (cu && j->record)
+        err = cu->event_record(j->record, w->lane.stream);
+    w->busy_s += now() - t0;
+    return err;
+}
+
 static void *worker_main(void *arg) {
     struct kvf_worker *w = arg;
     if (w->has_cuda && w->cuda.set_device)
-        w->cuda.set_device(w->device);  /* the runtime acts on the calling thread's device */
+        w->cuda.set_device(w->lane.device);  /* the runtime acts on the calling thread's device */
     pthread_mutex_lock(&w->mu);
     for (;;) {
         while (!w->head && !w->stop)
@@ -268,30 +220,14 @@ static void *worker_main(void *arg) {
             w->tail = NULL;
         int err = w->err, h = w->h;
         pthread_mutex_unlock(&w->mu);
-        double times[3] = {0, 0, 0};
-        long chunks = 0;
-        int gated = 0;
-        for (int i = 0; !err && !gated && i < j->n_gates; i++)
-            gated = gate_wait(w, j->gate_ctr[i], j->gate_gen[i]);
-        if (!err && !gated) {
-            int r = kvf_h2d(j->n_pairs, j->dsts, j->srcs, j->sizes, j->chunk, j->half0, j->half1,
-                            j->ev0, j->ev1, j->stream, h, j->nthreads, j->mode,
-                            w->has_cuda ? &w->cuda : NULL, times, &chunks, 0,
-                            j->n_waits, j->waits, j->record);
-            if (r < 0)
-                err = -1000 - r;
-            else
-                h = r;
-        }
-        if (j->signal_ctr)  /* marked even on error, so no waiter hangs */
+        if (!err)  /* after an error jobs are skipped (still signalled) until it is taken */
+            err = run_job(w, j, &h);
+        if (j->signal_ctr)  /* set even on error, so no waiter hangs */
             __atomic_store_n(j->signal_ctr, j->signal_gen, __ATOMIC_RELEASE);
         pthread_mutex_lock(&w->mu);
         w->h = h;
         if (err && !w->err)
             w->err = err;
-        for (int i = 0; i < 3; i++)
-            w->times[i] += times[i];
-        w->chunks += chunks;
         w->done = j->ticket;
         pthread_cond_broadcast(&w->cv_done);
         free(j);
@@ -300,8 +236,8 @@ static void *worker_main(void *arg) {
     return NULL;
 }
 
-/* cuda NULL: CPU (the "DMA" is a memcpy into the destination). Returns NULL on failure. */
-struct kvf_worker *kvf_worker_start(const struct kvf_cuda *cuda, int device) {
+/* cuda NULL: CPU. Returns NULL on failure. */
+struct kvf_worker *kvf_worker_start(const struct kvf_cuda *cuda, const struct kvf_lane *lane) {
     struct kvf_worker *w = calloc(1, sizeof *w);
     if (!w)
         return NULL;
@@ -309,7 +245,7 @@ struct kvf_worker *kvf_worker_start(const struct kvf_cuda *cuda, int device) {
         w->cuda = *cuda;
         w->has_cuda = 1;
     }
-    w->device = device;
+    w->lane = *lane;
     pthread_mutex_init(&w->mu, NULL);
     pthread_cond_init(&w->cv_job, NULL);
     pthread_cond_init(&w->cv_done, NULL);
@@ -320,38 +256,24 @@ struct kvf_worker *kvf_worker_start(const struct kvf_cuda *cuda, int device) {
     return w;
 }
 
-/* Queues one job (the arrays are copied); returns its ticket (> 0), or -1 if out of memory. */
-long long kvf_worker_submit(struct kvf_worker *w, int n_pairs, char **dsts, char **srcs,
-                            const size_t *sizes, const size_t *chunk, char *half0, char *half1,
-                            void *ev0, void *ev1, void *stream, int nthreads, int mode,
-                            int n_waits, void **waits, int n_gates, long long **gate_ctr,
-                            const long long *gate_gen, void *record, long long *signal_ctr,
-                            long long signal_gen) {
-    size_t bytes = sizeof(struct kvf_job) + n_pairs * (2 * sizeof(char *) + 2 * sizeof(size_t))
-                   + n_waits * sizeof(void *) + n_gates * (sizeof(long long *) + sizeof(long long));
+/* Queues a copy of *job (its arrays too); returns its ticket (> 0), or -1 if out of memory. */
+long long kvf_worker_submit(struct kvf_worker *w, const struct kvf_job *job) {
+    size_t bytes = sizeof(struct kvf_job) + job->n_pairs * sizeof(struct kvf_pair)
+                   + job->n_waits * sizeof(void *) + job->n_gates * (sizeof(long long *) + sizeof(long long));
     struct kvf_job *j = malloc(bytes);
     if (!j)
         return -1;
+    *j = *job;
     char *p = (char *)(j + 1);
-    j->dsts = (char **)p, p += n_pairs * sizeof(char *);
-    j->srcs = (char **)p, p += n_pairs * sizeof(char *);
-    j->sizes = (size_t *)p, p += n_pairs * sizeof(size_t);
-    j->chunk = (size_t *)p, p += n_pairs * sizeof(size_t);
-    j->waits = (void **)p, p += n_waits * sizeof(void *);
-    j->gate_ctr = (long long **)p, p += n_gates * sizeof(long long *);
+    j->pairs = (struct kvf_pair *)p, p += job->n_pairs * sizeof(struct kvf_pair);
+    j->waits = (void **)p, p += job->n_waits * sizeof(void *);
+    j->gate_ctr = (long long **)p, p += job->n_gates * sizeof(long long *);
     j->gate_gen = (long long *)p;
-    memcpy(j->dsts, dsts, n_pairs * sizeof(char *));
-    memcpy(j->srcs, srcs, n_pairs * sizeof(char *));
-    memcpy(j->sizes, sizes, n_pairs * sizeof(size_t));
-    memcpy(j->chunk, chunk, n_pairs * sizeof(size_t));
-    memcpy(j->waits, waits, n_waits * sizeof(void *));
-    memcpy(j->gate_ctr, gate_ctr, n_gates * sizeof(long long *));
-    memcpy(j->gate_gen, gate_gen, n_gates * sizeof(long long));
+    memcpy(j->pairs, job->pairs, job->n_pairs * sizeof(struct kvf_pair));
+    memcpy(j->waits, job->waits, job->n_waits * sizeof(void *));
+    memcpy(j->gate_ctr, job->gate_ctr, job->n_gates * sizeof(long long *));
+    memcpy(j->gate_gen, job->gate_gen, job->n_gates * sizeof(long long));
     j->next = NULL;
-    j->n_pairs = n_pairs, j->n_waits = n_waits, j->n_gates = n_gates;
-    j->half0 = half0, j->half1 = half1, j->ev0 = ev0, j->ev1 = ev1, j->stream = stream;
-    j->record = record, j->signal_ctr = signal_ctr, j->signal_gen = signal_gen;
-    j->nthreads = nthreads, j->mode = mode;
     pthread_mutex_lock(&w->mu);
     j->ticket = ++w->submitted;
     if (w->tail)
@@ -366,34 +288,30 @@ long long kvf_worker_submit(struct kvf_worker *w, int n_pairs, char **dsts, char
 }
 
 /* Blocks until *ctr >= gen (a job's signal) or, with ctr NULL, until every job is done.
- * Returns the sticky error (0: none) and, with take, clears it. */
-int kvf_worker_wait(struct kvf_worker *w, long long *ctr, long long gen, int take) {
+ * Returns the sticky error (0: none) and clears it. */
+int kvf_worker_wait(struct kvf_worker *w, long long *ctr, long long gen) {
     pthread_mutex_lock(&w->mu);
     while (ctr ? __atomic_load_n(ctr, __ATOMIC_ACQUIRE) < gen : w->done < w->submitted)
         pthread_cond_wait(&w->cv_done, &w->mu);
     int err = w->err;
-    if (take)
-        w->err = 0;
+    w->err = 0;
     pthread_mutex_unlock(&w->mu);
     return err;
 }
 
-/* The half the next job starts in: read it (h < 0) or set it (only while idle). */
-int kvf_worker_half(struct kvf_worker *w, int h) {
+/* 1 when every queued job has run (the stream may still hold DMAs). */
+int kvf_worker_idle(struct kvf_worker *w) {
     pthread_mutex_lock(&w->mu);
-    if (h >= 0)
-        w->h = h;
-    h = w->h;
+    int idle = w->done == w->submitted;
     pthread_mutex_unlock(&w->mu);
-    return h;
+    return idle;
 }
 
-/* Accumulated wait / memcpy / issue seconds and chunks (for the staging buffer's stats). */
-void kvf_worker_stats(struct kvf_worker *w, double *times, long *chunks) {
+double kvf_worker_busy(struct kvf_worker *w) {
     pthread_mutex_lock(&w->mu);
-    memcpy(times, w->times, sizeof w->times);
-    *chunks = w->chunks;
+    double s = w->busy_s;
     pthread_mutex_unlock(&w->mu);
+    return s;
 }
 
 void kvf_store(long long *ctr, long long v) {

