@@ -2,7 +2,8 @@
 
 The model calls, per forward pass: `begin(batch)`, then per layer `write_codes(layer, kq, vq)`
 (append this pass's new rows, encoded by `encode_kv`) and `window(layer)` (iterate the layer's rows chunk by
-chunk), then `end()`. Every placement yields the same chunks (same rows, same shapes,
+chunk; or `code_spans(layer)`, the same chunks as whole code tensors for a decode kernel), then
+`end()`. Every placement yields the same chunks (same rows, same shapes,
 same bytes), and the model computes attention chunk by chunk with a log-sum-exp merge,
 so where the cache lives cannot change output bits.
 
@@ -110,6 +111,20 @@ class Chunk:
     v: list[torch.Tensor | None]
 
 
+@dataclass
+class CodeSpan:
+    """Chunks chunk0 .. chunk0 + num_chunks - 1 of a layer as whole code tensors, for a kernel
+    that reads the codes itself: k, v uint8 (S, R, H, row_bytes), chunk chunk0 + j of batch
+    entry b starting at row j * chunk_rows of entry `seq_index[b]`, where seq_index is the
+    batch's sequence ids (`by_seq`, the device cache's layer tensors) or its batch indices
+    (a ring slot, which holds one chunk of every batch entry)."""
+    chunk0: int
+    num_chunks: int
+    k: torch.Tensor
+    v: torch.Tensor
+    by_seq: bool
+
+
 class KVCache:
     """Base: tracks the batch and the rows per sequence. Subclasses own storage."""
 
@@ -143,6 +158,10 @@ class KVCache:
         self._store(layer, kq, vq, static)
 
     def window(self, layer: int) -> Iterator[Chunk]:
+        raise NotImplementedError
+
+    def code_spans(self, layer: int) -> Iterator[CodeSpan]:
+        """The same rows as `window`, as whole code tensors (decode kernels; see CodeSpan)."""
         raise NotImplementedError
 
     def end(self) -> None:
@@ -217,3 +236,7 @@ class DeviceKVCache(KVCache):
                 ks.append(self.k[layer][s, r0:r0 + n])
                 vs.append(self.v[layer][s, r0:r0 + n])
             yield Chunk(i, i * self.spec.chunk_rows, ks, vs)
+
+    def code_spans(self, layer):
+        # every chunk of the layer lives in one tensor: one span, one kernel launch
+        yield CodeSpan(0, self.batch.num_chunks(self.spec.chunk_rows), self.k[layer], self.v[layer], True)

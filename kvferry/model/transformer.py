@@ -55,6 +55,11 @@ class Transformer:
         KV placement computes the same ops on the same shapes, so output bits do not depend
         on placement; the two settings differ from each other in rounding only."""
         self.fused = fused_attention(self.device, self.dtype) if on else None
+        # decode (one query token per sequence) reads the KV codes with the split-KV kernel
+        # (decode_attention.py) on CUDA; CPU (the CI oracle) and prefill keep the chunk path
+        d = self.cfg.head_dim
+        self.decode_kernel = on and self.device.type == "cuda" and d >= 16 and not d & (d - 1)
+        self._decoders: dict = {}
 
     def forward(self, tokens: torch.Tensor | list[int], batch: Batch, cache: KVCache) -> torch.Tensor:
         """tokens (N,) ids (a device tensor or a list) -> logits (B, vocab) float32 at each
@@ -110,6 +115,8 @@ class Transformer:
     # -- attention over the cache (eager: its shapes change every step) ----------------------
     def attend(self, layer: int, q, batch: Batch, cache: KVCache):
         """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window."""
+        if self.decode_kernel and batch.num_tokens == len(batch.seq_ids):
+            return self._attend_decode(layer, q, batch, cache)
         d, hkv, g = self.cfg.head_dim, self.num_kv_local, self.group
         # per sequence: queries as (Hkv, G*T, D), grouped under their kv head
         qs = []
@@ -134,6 +141,29 @@ class Transformer:
             outs.append(o.reshape(1, hkv * g * d) if t == 1 else
                         o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g * d))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _attend_decode(self, layer: int, q, batch: Batch, cache: KVCache):
+        """Decode: the split-KV kernel over the cache's code spans, then its merge -> (B, Hq * D).
+        The split plan depends on shapes only, so every placement gets the same bits."""
+        spec = cache.spec
+        cap = min(spec.chunk_rows, spec.ctx)
+        key = (len(batch.seq_ids), spec.kv_type, cap, spec.ctx)
+        att = self._decoders.get(key)
+        if att is None:
+            from kvferry.model.decode_attention import DecodeAttention
+            att = self._decoders[key] = DecodeAttention(
+                len(batch.seq_ids), self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
+                -(-spec.ctx // cap), self.dtype, self.device, scale=self.scale)
+        idx = getattr(batch, "_decode_index", None)
+        if idx is None:  # once per pass: the layers share it
+            idx = batch._decode_index = att.index_tensors(batch.seq_ids, batch.ends)
+        seq_ids, ends = idx
+        n = 0
+        for span in cache.code_spans(layer):
+            att.partials(q, span.k, span.v, seq_ids if span.by_seq else att.slot_index, ends,
+                         chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
+            n = span.chunk0 + span.num_chunks
+        return att.merge(n)
 
     def _chunk_attention(self, q, k, v, row0, start, count):
         """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's

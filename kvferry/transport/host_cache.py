@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, KVCache, KVSpec, index_tensor
+from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, CodeSpan, KVCache, KVSpec, index_tensor
 from kvferry.transport import hostmem
 from kvferry.transport.events import Compute
 from kvferry.transport.queues import StreamQueue, ThreadQueue
@@ -355,8 +355,10 @@ class HostKVCache(KVCache):
         self.writeback.submit(jobs, [self.rows_written], self.wb_done[self.steps % 2],
                               keep=() if static else [kq, vq])
 
-    def window(self, layer):
-        c = self.spec.chunk_rows
+    def _slots(self, layer):
+        """Per chunk of the layer: (chunk index, slot), once the slot holds the chunk (its
+        delivery waited for, this pass's rows written into it); the slot's release is
+        recorded when the caller resumes, after it has enqueued every read of the slot."""
         for i in range(self._nchunks):
             u = layer * self._nchunks + i
             # unit u + depth goes out now, after unit u - 1's compute was enqueued
@@ -365,34 +367,47 @@ class HostKVCache(KVCache):
             slot = (self._unit0 + u) % self.num_slots
             if not self._unsafe_skip_ready:
                 self.compute.wait(self.ready[slot])
-            sk, sv = self.slot_k[slot], self.slot_v[slot]
-            late = self._late[i]
-            if late is not None:
-                kq, vq = self._new[layer]
-                if isinstance(late, tuple):
-                    dj, dr, src = late
-                    sk[dj, dr] = kq[src]
-                    sv[dj, dr] = vq[src]
-                    rows = int(src.numel())
-                elif len(late) == 1 and late[0][3] == 0 and kq.shape[0] == late[0][2] - late[0][1]:
-                    j, a, b, o = late[0]  # one sequence, all of the pass's rows: no source slice
-                    self._sk[slot][j][a:b].copy_(kq)
-                    self._sv[slot][j][a:b].copy_(vq)
-                    rows = b - a
-                else:
-                    for j, a, b, o in late:
-                        self._sk[slot][j][a:b].copy_(kq[o:o + b - a])
-                        self._sv[slot][j][a:b].copy_(vq[o:o + b - a])
-                    rows = sum(b - a for j, a, b, o in late)
-                self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
+            self._write_late(layer, i, slot)
+            yield i, slot
+            self.compute.record(self.release[slot])
+        self._new[layer] = None
+
+    def _write_late(self, layer, i, slot):
+        late = self._late[i]
+        if late is None:
+            return
+        sk, sv = self.slot_k[slot], self.slot_v[slot]
+        kq, vq = self._new[layer]
+        if isinstance(late, tuple):
+            dj, dr, src = late
+            sk[dj, dr] = kq[src]
+            sv[dj, dr] = vq[src]
+            rows = int(src.numel())
+        elif len(late) == 1 and late[0][3] == 0 and kq.shape[0] == late[0][2] - late[0][1]:
+            j, a, b, o = late[0]  # one sequence, all of the pass's rows: no source slice
+            self._sk[slot][j][a:b].copy_(kq)
+            self._sv[slot][j][a:b].copy_(vq)
+            rows = b - a
+        else:
+            for j, a, b, o in late:
+                self._sk[slot][j][a:b].copy_(kq[o:o + b - a])
+                self._sv[slot][j][a:b].copy_(vq[o:o + b - a])
+            rows = sum(b - a for j, a, b, o in late)
+        self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
+
+    def window(self, layer):
+        c = self.spec.chunk_rows
+        for i, slot in self._slots(layer):
             ks, vs = [], []
             for j, end in enumerate(self.batch.ends):
                 n = min(c, end - i * c)
                 ks.append(self._sk[slot][j][:n] if n > 0 else None)
                 vs.append(self._sv[slot][j][:n] if n > 0 else None)
             yield Chunk(i, i * c, ks, vs)
-            self.compute.record(self.release[slot])
-        self._new[layer] = None
+
+    def code_spans(self, layer):
+        for i, slot in self._slots(layer):  # a slot holds chunk i of every batch entry
+            yield CodeSpan(i, 1, self.slot_k[slot], self.slot_v[slot], False)
 
     def end(self):
         batch = self.batch
