@@ -74,6 +74,16 @@ def test_bench_md_and_csv_outputs():
     assert [r["test"] for r in rows] == ["pp8", "tg4"] and all(float(r["tps"]) > 0 for r in rows)
 
 
+def test_profile_splits_each_step_into_host_and_wait_time():
+    args = [*BENCH[:-4], "-nkvo", "0", "-d", "0", "-r", "1", "-c", "64", "--device", "cpu", "-p", "0", "-o", "json"]
+    plain = json.loads(run_cli(*args).stdout)
+    assert "host_ms" not in plain[0], "the split is only there with --profile"
+    r = run_cli(*args, "--profile")
+    assert r.returncode == 0, r.stderr[-2000:]
+    row, = json.loads(r.stdout)
+    assert 0 < row["host_ms"] <= row["step_ms"] and abs(row["host_ms"] + row["wait_ms"] - row["step_ms"]) < 1e-2
+
+
 @pytest.mark.parametrize("args,needle", [
     (["-d", "abc"], "-d expects a comma list of integers"),
     (["-nkvo", "2"], "-nkvo expects 0 or 1"),

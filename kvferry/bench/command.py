@@ -50,6 +50,9 @@ def _add_flags(p) -> None:
     p.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers (1 up to the shape's own)")
     p.add_argument("--depth-fill", default="auto", choices=["auto", "random", "prefill"],
                    help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
+    p.add_argument("--profile", action="store_true",
+                   help="tg rows also split each step into host time (enqueueing the step: Python, launches, "
+                        "copies issued) and the wait for the device after it; host-bound where the wait is ~0")
     p.add_argument("--link", action="store_true",
                    help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned")
     p.add_argument("--link-mib", default=None,

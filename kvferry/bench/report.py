@@ -10,7 +10,7 @@ from kvferry import KvferryError
 
 COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk", "fa", "cg", "np", "test", "depth",
            "tps", "tps_std", "step_ms", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
-           "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same"]
+           "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same", "host_ms", "wait_ms"]
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -26,9 +26,10 @@ def format_rows(rows: list[dict], fmt: str) -> str:
         w.writeheader()
         w.writerows(rows)
         return buf.getvalue().rstrip("\n")
+    profile = any("host_ms" in r for r in rows)  # --profile
     head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "fa", "cg", "np", "test", "t/s", "step ms",
             "ferried MiB", "link GB/s", "copy ms", "compute ms", "bound ms", "% bound", "% roofline", "ring MiB",
-            "peak dev MiB", "pinned MiB", "same"]
+            "peak dev MiB", "pinned MiB", "same"] + (["host ms", "wait ms"] if profile else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if h not in ("model", "backend", "test") else "---" for h in head) + "|"]
     for r in rows:
         def f(k):
@@ -38,7 +39,8 @@ def format_rows(rows: list[dict], fmt: str) -> str:
             f("model"), f"{r['size_gib']} GiB", f"{r['params_b']} B", f("backend"), f("nkvo"), f("pin"), f("kvpd"), f("kvpb"),
             f("ctk"), f("fa"), f("cg"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
             f("ferried_mib"), f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
-            f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]) + " |")
+            f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]
+            + ([f("host_ms"), f("wait_ms")] if profile else [])) + " |")
     return "\n".join(lines)
 
 

@@ -100,7 +100,7 @@ class Bench:
         vocab = eng.loaded.cfg.vocab_size
         self._sync()
         t0 = time.perf_counter()
-        toks = None
+        toks, host_s = None, 0.0
         if kind == "pp":
             for s in seqs:
                 eng.prefill(s, torch.randint(0, vocab, (n,), generator=g).tolist(), start=depth)
@@ -108,12 +108,14 @@ class Bench:
             toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
             out = []
             for i in range(n):
+                t1 = time.perf_counter()
                 logits = eng.decode(seqs, toks, [depth + i] * len(seqs))
+                host_s += time.perf_counter() - t1  # enqueueing the step (the sync comes next)
                 toks = logits.argmax(-1).tolist()
                 out.append(toks)
             toks = out
         self._sync()
-        return (time.perf_counter() - t0) * 1e3, toks
+        return (time.perf_counter() - t0) * 1e3, toks, host_s * 1e3
 
     # -- the sweep --------------------------------------------------------------------------------
     def run(self) -> tuple[list[dict], dict]:
@@ -134,6 +136,7 @@ class Bench:
             self.fill_depth(depth)
             for kind, n in tests:
                 times = {i: [] for i in range(len(self.arms))}
+                host = {}  # per arm: ms the host spends enqueueing a test (tg), mean over repetitions
                 stats = {}
                 ref_tokens = {}
                 for rep in range(a.repetitions + 1):  # rep 0 warms up
@@ -148,21 +151,22 @@ class Bench:
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
-                        ms, toks = self.run_test(kind, n if rep else min(n, 4), depth)
+                        ms, toks, host_ms = self.run_test(kind, n if rep else min(n, 4), depth)
                         bar.update()
                         if rep == 0:
                             continue
                         times[i].append(ms)
+                        host[i] = host.get(i, 0.0) + host_ms / a.repetitions
                         if rep == 1:
                             ref_tokens[i] = toks
                             after = getattr(cache, "totals", {})
                             stats[i] = dict(early=after.get("early", 0) - before.get("early", 0),
                                             peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0)
-                rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps)
+                rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host)
         bar.close()
         return rows, dict(link=link, mem_gbps=mem_gbps)
 
-    def _rows(self, kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps):
+    def _rows(self, kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host_ms):
         eng = self.eng
         mc = eng.loaded.cfg
         np_ = eng.cfg.num_seqs
@@ -195,7 +199,11 @@ class Bench:
                 bnd = B.bound_ms(dev_step, ferried, link_gbps)
                 row.update(copy_ms=round(copy_ms, 3), compute_ms=round(dev_step, 3) if dev_step else None,
                            bound_ms=round(bnd, 3), pct_bound=round(B.pct_of_bound(step_ms, bnd), 1))
+                if self.a.profile:  # host-bound where host_ms is close to the step
+                    row.update(host_ms=round(host_ms[i] / per, 3), wait_ms=round(step_ms - host_ms[i] / per, 3))
                 if not host:
+                    # bytes the attention reads: the KV codes of every layer (the decode kernel
+                    # reads them as stored, so a quantized type reads fewer)
                     kv_read = B.decode_kv_bytes(spec.num_layers * spec.token_bytes, depth, n, np_)
                     row["roofline_pct"] = round(B.roofline_pct(step_ms, eng.loaded.file_bytes, kv_read, mem_gbps), 1)
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
