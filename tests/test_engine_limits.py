@@ -28,9 +28,10 @@ def test_context_beyond_training_warns_once_and_runs(tmp_path, caplog):
 
 def test_kv_cache_beyond_host_memory_is_refused_before_allocation(monkeypatch):
     from kvferry.engine import runner
+    from kvferry.transport import hostmem
     from kvferry.kv.cache import KVSpec
     gib = 2**30
-    monkeypatch.setattr(runner, "host_memory_bytes", lambda: (4 * gib, gib // 2))
+    monkeypatch.setattr(hostmem, "memory_bytes", lambda: (4 * gib, gib // 2))
     # 2 layers x 1M rows x 2 heads x (64 f16 values = 128 bytes) x K and V: 1 GiB
     big = KVSpec(num_layers=2, num_seqs=1, ctx=1 << 20, num_kv_heads=2, head_dim=64, kv_type="f16", chunk_rows=8192)
     assert big.total_bytes == gib

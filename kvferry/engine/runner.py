@@ -10,7 +10,6 @@ math on tensors that are already where they belong.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -20,6 +19,7 @@ from kvferry.kv.cache import Batch, DeviceKVCache, KVCache, KVSpec
 from kvferry.model.arch import ModelConfig
 from kvferry.model.loader import LoadedModel, load_model, random_weights
 from kvferry.model.transformer import Transformer
+from kvferry.transport import hostmem
 from kvferry.transport.staging import StagedQueues
 
 log = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def check_host_memory(spec: KVSpec, kv: KVConfig, device) -> None:
     if not kv.offload and device.type != "cpu":
         return
     need = spec.total_bytes
-    total, available = host_memory_bytes()
+    total, available = hostmem.memory_bytes()
     if need <= available:
         return
     gib = 2**30
@@ -147,13 +147,3 @@ def check_host_memory(spec: KVSpec, kv: KVConfig, device) -> None:
         f"{spec.num_layers} layers x {spec.token_bytes} bytes of {spec.kv_type} K and V per token), but this "
         f"machine has {total / gib:.1f} GiB of memory, {available / gib:.1f} GiB of it available: {hint}")
 
-
-def host_memory_bytes() -> tuple[int, int]:
-    """(physical memory, memory available without swapping) in bytes; MemAvailable from
-    /proc/meminfo, or all of physical memory where that file is missing."""
-    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    try:
-        with open("/proc/meminfo") as f:
-            return total, next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return total, total

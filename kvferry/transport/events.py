@@ -64,7 +64,6 @@ class Compute:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.wait_s = 0.0  # host seconds spent waiting for copies (--kv-debug 2)
 
     def wait(self, ev: SlotEvent) -> None:
         """Work queued after this reads what ``ev`` guards only once it is there."""

@@ -166,7 +166,7 @@ class HostKVCache(KVCache):
         shape = spec.layer_shape()
         nbytes = math.prod(shape)
         pin = self.kv.pinned
-        ram = hostmem.physical_memory()
+        ram = hostmem.memory_bytes()[0]
         if pin and ram and spec.total_bytes > MAX_PINNED_SHARE * ram:
             log.warning("host KV: %.1f GiB is more than %d%% of this machine's %.1f GiB of RAM: not pinned, "
                         "copies go through the staging buffer", spec.total_bytes / 2**30,

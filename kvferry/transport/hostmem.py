@@ -93,12 +93,15 @@ def pin(mem: torch.Tensor, what: str) -> Callable[[], None]:
     return unpin
 
 
-def physical_memory() -> int:
-    """Bytes of RAM on this machine (0 if unknown)."""
+def memory_bytes() -> tuple[int, int]:
+    """(physical memory, memory available without swapping) in bytes; MemAvailable from
+    /proc/meminfo, or all of physical memory where that file is missing."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+        with open("/proc/meminfo") as f:
+            return total, next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return total, total
 
 
 

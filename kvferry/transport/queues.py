@@ -75,7 +75,6 @@ class StreamQueue(CopyQueue):
     def __init__(self, device, delay_s=None, seed=0):
         super().__init__(device, delay_s, seed)
         self.stream = torch.cuda.Stream(device)
-        self.timing = False  # time each job with CUDA events (--kv-debug 2)
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._busy = 0.0
 
