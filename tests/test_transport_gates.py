@@ -250,7 +250,7 @@ def test_host_write_waits_for_deliveries_in_flight():
         slot = (cache._unit0) % cache.num_slots
         zeros = torch.zeros_like(cache.host_k[0][0, :8])
         cache.write_host_rows(0, 0, 0, zeros, zeros)  # must wait for the delivery first
-        assert torch.equal(cache.slot_k[slot][0, :8], before), "the delivery saw the later write"
+        assert torch.equal(cache.slot_k[slot][0, :8].cpu(), before), "the delivery saw the later write"
         assert torch.equal(cache.host_k[0][0, :8], zeros)
         cache.fence()
         cache.batch = None

@@ -201,11 +201,12 @@ class Bench:
                            bound_ms=round(bnd, 3), pct_bound=round(B.pct_of_bound(step_ms, bnd), 1))
                 if self.a.profile:  # host-bound where host_ms is close to the step
                     row.update(host_ms=round(host_ms[i] / per, 3), wait_ms=round(step_ms - host_ms[i] / per, 3))
-                if not host:
-                    # bytes the attention reads: the KV codes of every layer (the decode kernel
-                    # reads them as stored, so a quantized type reads fewer)
-                    kv_read = B.decode_kv_bytes(spec.num_layers * spec.token_bytes, depth, n, np_)
-                    row["roofline_pct"] = round(B.roofline_pct(step_ms, eng.loaded.file_bytes, kv_read, mem_gbps), 1)
+                # bytes the device reads per step: the weights and the KV codes of every layer
+                # (the decode kernel reads them as stored, so a quantized type reads fewer), from
+                # the cache itself or from the ring; a host arm's share shows how far the link
+                # keeps it from the device's own bound
+                kv_read = B.decode_kv_bytes(spec.num_layers * spec.token_bytes, depth, n, np_)
+                row["roofline_pct"] = round(B.roofline_pct(step_ms, eng.loaded.file_bytes, kv_read, mem_gbps), 1)
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
                        declined=(cache.decline_reason or "") if host else "",
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),

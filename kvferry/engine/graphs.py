@@ -17,8 +17,8 @@ class DecodeGraphs:
     the RoPE lookup and layer 0's `_pre`; segment i is layer i-1's `_post` and layer i's
     `_pre`; the last is the final `_post` and the head. Between segments, eager code does
     what changes shape every step: the cache write, the chunked attention over the window
-    (and with it the transport's copies and events), and the copy of the attention output
-    into the next segment's static input. Every placement runs the same graphs, so output
+    (and with it the transport's copies and events), writing its output into the next
+    segment's static input. Every placement runs the same graphs, so output
     bits still do not depend on where the cache lives.
 
     The static K/V code outputs of a segment are overwritten when it is replayed in the
@@ -70,11 +70,12 @@ class DecodeGraphs:
         self.inp.copy_(torch.tensor([ids, batch.positions()], dtype=torch.long).pin_memory(), non_blocking=True)
         cache.begin(batch)
         try:
+            att = model.attention_pass(batch, cache)
             self.graphs[0].replay()
             for i in range(model.cfg.num_layers):
                 q, kq, vq = self.outs[i][-3:]
                 cache.write_codes(i, kq, vq, static=True)
-                self.attn_in[i].copy_(model.attend(i, q, batch, cache))
+                model.attend(i, q, att, out=self.attn_in[i])
                 self.graphs[i + 1].replay()
         finally:
             cache.end()

@@ -12,12 +12,18 @@ library) instead of a dozen small ops.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from kvferry.kv.cache import Batch, KVCache, encode_kv, index_tensor
 from kvferry.model.arch import ModelConfig
 from kvferry.model.rope import Rope, apply_rope
+
+if TYPE_CHECKING:
+    from kvferry.model.decode_attention import DecodeAttention
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -74,10 +80,11 @@ class Transformer:
         cache.begin(batch)  # the first deliveries go out before any compute is enqueued
         try:
             x = F.embedding(tokens, w["embed"])  # (N, hidden)
+            att = self.attention_pass(batch, cache)
             for i in range(cfg.num_layers):
                 q, kq, vq = self.pre(i, x, cos, sin, cache.spec.kv_type)
                 cache.write_codes(i, kq, vq)
-                x = self.post(i, x, self.attend(i, q, batch, cache))
+                x = self.post(i, x, self.attend(i, q, att))
         finally:
             cache.end()
         last = slice(-1, None) if one else index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
@@ -113,10 +120,29 @@ class Transformer:
         return F.linear(rms_norm(x, self.w["norm"], self.cfg.rms_eps), self.lm_head).float()
 
     # -- attention over the cache (eager: its shapes change every step) ----------------------
-    def attend(self, layer: int, q, batch: Batch, cache: KVCache):
-        """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window."""
-        if self.decode_kernel and batch.num_tokens == len(batch.seq_ids):
-            return self._attend_decode(layer, q, batch, cache)
+    def attention_pass(self, batch: Batch, cache: KVCache) -> "AttentionPass":
+        """What every layer's attention of one pass shares, made once per pass: for a decode
+        pass on the split-KV kernel, the kernel object for this shape and the batch's index
+        tensors on the device."""
+        if not (self.decode_kernel and batch.num_tokens == len(batch.seq_ids)):
+            return AttentionPass(batch, cache)
+        spec = cache.spec
+        cap = min(spec.chunk_rows, spec.ctx)
+        key = (len(batch.seq_ids), spec.kv_type, cap, spec.ctx)
+        kernel = self._decoders.get(key)
+        if kernel is None:
+            from kvferry.model.decode_attention import DecodeAttention
+            kernel = self._decoders[key] = DecodeAttention(
+                len(batch.seq_ids), self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
+                -(-spec.ctx // cap), self.dtype, self.device, scale=self.scale)
+        return AttentionPass(batch, cache, kernel, *kernel.index_tensors(batch.seq_ids, batch.ends))
+
+    def attend(self, layer: int, q, att: "AttentionPass", out: torch.Tensor | None = None):
+        """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window, written into
+        `out` where given (the decode kernel's merge writes there directly)."""
+        if att.kernel is not None:
+            return self._attend_decode(layer, q, att, out)
+        batch, cache = att.batch, att.cache
         d, hkv, g = self.cfg.head_dim, self.num_kv_local, self.group
         # per sequence: queries as (Hkv, G*T, D), grouped under their kv head
         qs = []
@@ -140,30 +166,18 @@ class Transformer:
                 o = o.to(self.dtype)
             outs.append(o.reshape(1, hkv * g * d) if t == 1 else
                         o.view(hkv, g, t, d).permute(2, 0, 1, 3).reshape(t, hkv * g * d))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        res = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return res if out is None else out.copy_(res)
 
-    def _attend_decode(self, layer: int, q, batch: Batch, cache: KVCache):
+    def _attend_decode(self, layer: int, q, att: "AttentionPass", out):
         """Decode: the split-KV kernel over the cache's code spans, then its merge -> (B, Hq * D).
         The split plan depends on shapes only, so every placement gets the same bits."""
-        spec = cache.spec
-        cap = min(spec.chunk_rows, spec.ctx)
-        key = (len(batch.seq_ids), spec.kv_type, cap, spec.ctx)
-        att = self._decoders.get(key)
-        if att is None:
-            from kvferry.model.decode_attention import DecodeAttention
-            att = self._decoders[key] = DecodeAttention(
-                len(batch.seq_ids), self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
-                -(-spec.ctx // cap), self.dtype, self.device, scale=self.scale)
-        idx = getattr(batch, "_decode_index", None)
-        if idx is None:  # once per pass: the layers share it
-            idx = batch._decode_index = att.index_tensors(batch.seq_ids, batch.ends)
-        seq_ids, ends = idx
-        n = 0
-        for span in cache.code_spans(layer):
-            att.partials(q, span.k, span.v, seq_ids if span.by_seq else att.slot_index, ends,
-                         chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
+        kernel, n = att.kernel, 0
+        for span in att.cache.code_spans(layer):
+            kernel.partials(q, span.k, span.v, att.seq_ids if span.by_seq else kernel.slot_index, att.ends,
+                            chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
             n = span.chunk0 + span.num_chunks
-        return att.merge(n)
+        return kernel.merge(n, out)
 
     def _chunk_attention(self, q, k, v, row0, start, count):
         """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's
@@ -197,6 +211,16 @@ class Transformer:
         else:  # ... and its output zero and log-sum-exp -inf, so the merge gives the chunk zero weight
             o = torch.where(l > 0, o / l.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(o))
         return o, (m + l.log()).squeeze(-1)
+
+
+@dataclass
+class AttentionPass:
+    """One forward pass's attention state, shared by its layers (Transformer.attention_pass)."""
+    batch: Batch
+    cache: KVCache
+    kernel: "DecodeAttention | None" = None  # the split-KV decode kernel, where it runs
+    seq_ids: torch.Tensor | None = None  # (B,) int32 on the device, for the kernel
+    ends: torch.Tensor | None = None
 
 
 def fused_attention(device: torch.device, dtype: torch.dtype):
