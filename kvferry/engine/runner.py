@@ -154,6 +154,8 @@ class ModelRunner:
         if self._owns_staged and self._staged is not None:
             self._staged.close()
             self._staged = None
+        if self._owns_staged and self.dist is not None:  # the runner that made the group ends it
+            self.dist.close()
 
 
 # ---------------------------------------------------------------------------- limits, checked before use
