@@ -54,3 +54,28 @@ def test_tp2_prints_the_same_text_once():
     split = run_cli(*args, "-sm", "tensor", "--tp", "2", "-nkvo")
     assert one.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
     assert split.stdout == one.stdout
+
+
+def test_bench_reports_each_ranks_bytes_and_bounds_by_the_slowest():
+    r = run_cli("bench", "--random-weights", "smollm2-135m", "--layers", "2", "-sm", "tensor", "--tp", "2",
+                "-nkvo", "1", "-d", "256", "-p", "0", "-n", "4", "-r", "1", "--device", "cpu", "--link-mib", "4",
+                "-o", "jsonl")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [__import__("json").loads(ln) for ln in r.stdout.splitlines()]
+    assert len(rows) == 1, "rank 0 reports, once"
+    row = rows[0]
+    b0, b1 = (float(x) for x in row["ferried_mib_ranks"].split("/"))
+    assert row["ranks"] == 2 and abs(b0 - 2 * b1) < 0.02, row  # 2 + 1 KV heads
+    links = [float(x) for x in row["link_gbps_ranks"].split("/")]
+    slowest_ms = max(b * 2**20 / (g * 1e9) * 1e3 for b, g in zip((b0, b1), links))
+    assert abs(row["copy_ms"] - slowest_ms) <= 0.01 + 0.02 * slowest_ms, row
+
+
+def test_a_ring_that_does_not_fit_on_one_rank_is_declined_on_all():
+    # 2 + 1 KV heads: rank 0's ring (3 x 24 KiB) is over the 0.05 MiB budget, rank 1's (3 x 12 KiB) is not
+    r = run_cli("run", "-p", "List three colours:", "-n", "4", "--temp", "0", "--device", "cpu", "--no-progress",
+                "-c", "160", "--kv-chunk", "24", "-sm", "tensor", "--tp", "2", "-nkvo", "-kvpb", "0.05")
+    assert r.returncode == 0, r.stderr[-2000:]
+    declines = [ln for ln in r.stderr.splitlines() if "declined" in ln and "W " in ln]
+    assert any(ln.startswith("[rank 0]") and "budget" in ln for ln in declines), r.stderr[-2000:]
+    assert any(ln.startswith("[rank 1]") and "another rank" in ln for ln in declines), r.stderr[-2000:]
