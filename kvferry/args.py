@@ -50,6 +50,15 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     g.add_argument("-cg", "--cuda-graphs", default="on",
                    help="decode replays CUDA graphs of each layer's fixed-shape ops (CUDA only): on or off"
                    + (", comma list to sweep" if sweep else "") + " (default: on)")
+    sp = p.add_argument_group("split over several devices (one process each, torch.distributed)")
+    sp.add_argument("-sm", "--split-mode", default="none",
+                    help="none (one device), tensor (KV heads, their query heads and MLP rows per rank, "
+                         "an all-reduce after attention and after the MLP) or layer (a range of layers per rank) "
+                         "(default: none)")
+    sp.add_argument("-ts", "--tensor-split", default=None,
+                    help="shares of the split, one per rank, e.g. 3,1 (default: as even as the KV heads or layers allow)")
+    sp.add_argument("--tp", type=int, default=None,
+                    help="start this many local processes, one per device (instead of torchrun)")
     k = p.add_argument_group("KV cache and transport")
     t = str if sweep else None
     k.add_argument("-nkvo", "--no-kv-offload", nargs="?", const="1", default="0", type=t,
@@ -82,7 +91,17 @@ def engine_config(a, **over) -> EngineConfig:
                   staging_cap_mib=a.staging_cap)
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
-                        cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv)
+                        cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv, split_mode=a.split_mode,
+                        split_ratios=split_ratios(a.tensor_split))
+
+
+def split_ratios(v: str | None) -> tuple[float, ...]:
+    if v is None:
+        return ()
+    try:
+        return tuple(float(x) for x in v.replace("/", ",").split(","))
+    except ValueError:
+        raise KvferryError(f"-ts expects shares as a comma list of numbers, e.g. 3,1; got '{v}'") from None
 
 
 def onoff(v, flag: str) -> bool:

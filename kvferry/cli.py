@@ -30,10 +30,14 @@ def build_parser() -> Parser:
 
 
 def main(argv=None) -> int:
+    from kvferry.launch import launch, rank_env, strip_tp
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(levelname).1s %(name)s: %(message)s")
+    rank, world_size = rank_env()
+    # a split run's other ranks log warnings only (all with -v), each line marked with its rank
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO if rank == 0 else logging.WARNING,
+                        stream=sys.stderr,
+                        format=("" if world_size == 1 else f"[rank {rank}] ") + "%(levelname).1s %(name)s: %(message)s")
     for noisy in ("urllib3", "matplotlib", "PIL", "httpx", "asyncio"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
@@ -42,6 +46,19 @@ def main(argv=None) -> int:
         if not getattr(a, "func", None):
             parser.print_help(sys.stderr)
             return 2
+        sm = getattr(a, "split_mode", "none")
+        if world_size > 1 and sm == "none":
+            raise KvferryError(f"this process is one of {world_size} ranks (torchrun): add -sm tensor or -sm layer")
+        if getattr(a, "tp", None) is not None:
+            if a.tp < 1:
+                raise KvferryError(f"--tp must be >= 1 (processes to start), got {a.tp}")
+            if sm == "none":
+                raise KvferryError("--tp starts one process per device for a split run: add -sm tensor or -sm layer")
+            if world_size > 1:
+                raise KvferryError("--tp starts the processes itself: under torchrun, leave it out")
+            if getattr(a, "file", None) == "-":
+                raise KvferryError("with --tp, every rank reads the prompt: pass it with -p or -f FILE, not -f -")
+            return launch([sys.executable, "-m", "kvferry", *strip_tp(argv)], a.tp)
         return a.func(a)
     except KvferryError as e:
         if verbose:

@@ -13,6 +13,7 @@ from kvferry import KvferryError
 
 # KV encodings by name; kv/quant.py implements each (a test keeps the two lists equal)
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "fp8")
+SPLIT_MODES = ("none", "tensor", "layer")
 
 
 @dataclass(frozen=True)
@@ -80,8 +81,18 @@ class EngineConfig:
     flash_attn: bool = True  # -fa: fused attention kernel per KV chunk where the device has one
     cuda_graphs: bool = True  # --cuda-graphs: decode replays CUDA graphs for the fixed-shape parts
     kv: KVConfig = KVConfig()
+    split_mode: str = "none"  # -sm: none (one device), tensor (by KV head) or layer (by layer range)
+    split_ratios: tuple[float, ...] = ()  # -ts: one share per rank; () = as even as the heads/layers allow
 
     def __post_init__(self):
+        if self.split_mode not in SPLIT_MODES:
+            raise KvferryError(f"-sm must be one of {', '.join(SPLIT_MODES)}; got '{self.split_mode}'")
+        if self.split_ratios and (any(not math.isfinite(r) or r < 0 for r in self.split_ratios)
+                                  or not sum(self.split_ratios) > 0):
+            raise KvferryError(f"-ts expects non-negative shares with a positive sum, got "
+                               f"{','.join(f'{r:g}' for r in self.split_ratios)}")
+        if self.split_ratios and self.split_mode == "none":
+            raise KvferryError("-ts sets the shares of a split run: add -sm tensor or -sm layer")
         if self.ctx_size < 1:
             raise KvferryError(f"-c/--ctx-size must be >= 1, got {self.ctx_size}")
         if self.num_seqs < 1:

@@ -49,7 +49,8 @@ def cmd_run(a) -> int:
     from kvferry.engine.textstream import TextStream
 
     eng = Engine(cfg, progress=not a.no_progress)
-    out = _Stdout()
+    dist = eng.runner.dist
+    out = _Stdout(quiet=dist is not None and dist.rank != 0)  # a split run prints once, from rank 0
     try:
         tok = eng.tokenizer
         if tok is None:
@@ -84,11 +85,12 @@ class _Stdout:
     """stdout for the generated text, flushed per piece; remembers whether the last line is
     still open, so that an interrupt can end it."""
 
-    def __init__(self):
+    def __init__(self, quiet: bool = False):
         self.line_open = False
+        self.quiet = quiet
 
     def write(self, text: str) -> None:
-        if text:
+        if text and not self.quiet:
             # set before writing: an interrupt can land inside the write, and the text in
             # stdout's buffer still comes out at exit
             self.line_open = not text.endswith("\n")

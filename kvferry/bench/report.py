@@ -10,7 +10,8 @@ from kvferry import KvferryError
 
 COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "ctk", "chunk", "fa", "cg", "np", "test", "depth",
            "tps", "tps_std", "step_ms", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
-           "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same", "host_ms", "wait_ms"]
+           "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same", "host_ms", "wait_ms",
+           "sm", "ranks", "ferried_mib_ranks", "link_gbps_ranks"]
 
 
 def format_rows(rows: list[dict], fmt: str) -> str:
@@ -38,7 +39,8 @@ def format_rows(rows: list[dict], fmt: str) -> str:
         lines.append("| " + " | ".join([
             f("model"), f"{r['size_gib']} GiB", f"{r['params_b']} B", f("backend"), f("nkvo"), f("pin"), f("kvpd"), f("kvpb"),
             f("ctk"), f("fa"), f("cg"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
-            f("ferried_mib"), f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
+            # a split run: each rank's bytes and link, rank 0 first (the bound uses the slowest)
+            f("ferried_mib_ranks") or f("ferried_mib"), f("link_gbps_ranks") or f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
             f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]
             + ([f("host_ms"), f("wait_ms")] if profile else [])) + " |")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ class Bench:
     def close(self):
         for c in self.caches.values():
             c.close()
+        self.eng.runner.close()
 
     # -- caches ---------------------------------------------------------------------------
     def cache_for(self, cfg):
@@ -111,7 +112,7 @@ class Bench:
                 t1 = time.perf_counter()
                 logits = eng.decode(seqs, toks, [depth + i] * len(seqs))
                 host_s += time.perf_counter() - t1  # enqueueing the step (the sync comes next)
-                toks = logits.argmax(-1).tolist()
+                toks = eng.runner.agree_tokens(logits.argmax(-1).tolist())
                 out.append(toks)
             toks = out
         self._sync()
@@ -188,15 +189,23 @@ class Bench:
             spec = cache.spec
             host = self.cfgs[i].kv.offload
             ferried = stats[i]["early"] / per if host else 0
+            dist = eng.runner.dist
+            # a split run: every rank ferries its own share over its own link; the slowest sets the pace
+            ranks = dist.gather((ferried, link_gbps)) if dist is not None else [(ferried, link_gbps)]
+            slowest = max(ranks, key=lambda r: B.transfer_ms(r[0], r[1]))
             row = dict(model=mc.name, size_gib=round(eng.loaded.file_bytes / 2**30, 2),
                        params_b=round(mc.num_params / 1e9, 2), backend=eng.device.type.upper(),
                        **arm, np=np_, test=f"{kind}{n}", depth=depth,
                        tps=round(statistics.mean(tps), 2), tps_std=round(statistics.pstdev(tps), 2),
                        step_ms=round(step_ms, 3), ferried_mib=round(ferried / MiB, 2),
                        link_gbps=round(link_gbps, 2))
+            if dist is not None:
+                row.update(sm=dist.mode, ranks=dist.world_size,
+                           ferried_mib_ranks="/".join(f"{b / MiB:.2f}" for b, _ in ranks),
+                           link_gbps_ranks="/".join(f"{g:.1f}" for _, g in ranks))
             if kind == "tg":
-                copy_ms = B.transfer_ms(ferried, link_gbps) if host else 0.0
-                bnd = B.bound_ms(dev_step, ferried, link_gbps)
+                copy_ms = B.transfer_ms(slowest[0], slowest[1]) if host else 0.0
+                bnd = B.bound_ms(dev_step, slowest[0], slowest[1])
                 row.update(copy_ms=round(copy_ms, 3), compute_ms=round(dev_step, 3) if dev_step else None,
                            bound_ms=round(bnd, 3), pct_bound=round(B.pct_of_bound(step_ms, bnd), 1))
                 if self.a.profile:  # host-bound where host_ms is close to the step

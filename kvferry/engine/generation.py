@@ -73,7 +73,7 @@ class Engine:
         return self.runner.make_cache(self.spec_for(cfg), cfg.kv, progress)
 
     def spec_for(self, cfg: EngineConfig) -> KVSpec:
-        mc = self.loaded.cfg
+        mc = self.model.cfg  # in a split run, this rank's share: only its heads and layers
         kv_type = cfg.kv.kv_type if cfg.kv.kv_type != "auto" else DTYPE_NAMES[self.dtype]
         return KVSpec(num_layers=mc.num_layers, num_seqs=cfg.num_seqs, ctx=cfg.ctx_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
@@ -151,6 +151,7 @@ class Engine:
             last.append(samplers[j](logits))
             pos.append(len(ids))
             live.append(n_predict > 0)
+        last = self.runner.agree_tokens(last)  # a split run continues with rank 0's tokens
         for step in range(n_predict):
             out = []
             for j in range(len(prompts)):
@@ -175,6 +176,9 @@ class Engine:
                     on_logits(j, logits[r])
                 last[j] = samplers[j](logits[r])
                 pos[j] += 1
+            if self.runner.dist is not None:
+                for j, t in zip(act, self.runner.agree_tokens([last[j] for j in act])):
+                    last[j] = t
 
 
 def _load_tokenizer(loaded: LoadedModel):

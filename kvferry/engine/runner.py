@@ -3,7 +3,9 @@
 Owns the device and compute dtype, the device's staging queues (weight uploads and the
 pageable host KV cache's copies all go through them: transport/staging.py), the weights'
 placement (the upload function it hands the loader), the transformer, its CUDA graphs for
-decode passes, and making KV caches for it. The model package knows none of this: it is plain
+decode passes, and making KV caches for it. In a split run (-sm tensor / layer) it also
+holds this rank's place (engine/distributed.py): the rank's device, its share of the
+weights, the model's collectives, and the agreement on each cache's ring. The model package knows none of this: it is plain
 math on tensors that are already where they belong.
 """
 
@@ -58,7 +60,13 @@ class ModelRunner:
 
     def __init__(self, cfg: EngineConfig, path: str | None = None, *, model_cfg: ModelConfig | None = None,
                  progress: bool = True, share: "ModelRunner | None" = None):
-        self.device = resolve_device(cfg.device)
+        self.dist = None
+        if share is not None:
+            self.dist = share.dist
+        elif cfg.split_mode != "none":
+            from kvferry.engine.distributed import Dist
+            self.dist = Dist(cfg)
+        self.device = self.dist.device if self.dist else resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self._staged, self._owns_staged = None, share is None
         self._staging_cap = cfg.kv.staging_cap_mib << 20
@@ -67,12 +75,21 @@ class ModelRunner:
                 raise KvferryError("a shared model needs the same device and dtype")
             self.loaded, self._staged = share.loaded, share.staged
         elif model_cfg is not None:
-            self.loaded: LoadedModel = random_weights(model_cfg, self.device, self.dtype, progress=progress)
+            self.loaded: LoadedModel = random_weights(model_cfg, self.device, self.dtype, progress=progress,
+                                                      shard=self.dist.plan(model_cfg) if self.dist else None)
         else:
             log.info("loading %s", path)
-            self.loaded = load_model(path, self.dtype, self._upload_fn(), progress)
-        self.model = Transformer(self.loaded.cfg, self.loaded.weights, self.device, self.dtype, cfg.flash_attn)
-        self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda"
+            self.loaded = load_model(path, self.dtype, self._upload_fn(), progress,
+                                     self.dist.plan if self.dist else None)
+        shard = self.loaded.shard
+        self.model = Transformer(shard.local_config(self.loaded.cfg) if shard else self.loaded.cfg, self.loaded.weights,
+                                 self.device, self.dtype, cfg.flash_attn, comm=self.dist)
+        if shard:
+            log.info("rank %d of %d (-sm %s): KV heads %d-%d, MLP rows %d-%d, layers %d-%d", shard.rank,
+                     shard.world_size, shard.mode, shard.kv_heads[0], shard.kv_heads[1] - 1, shard.ffn_rows[0],
+                     shard.ffn_rows[1] - 1, shard.layers[0], shard.layers[1] - 1)
+        self._graphs_ok = self.dist is None  # a split pass's collectives stay outside captured graphs
+        self.use_graphs = cfg.cuda_graphs and self.device.type == "cuda" and self._graphs_ok
         self._graphs: dict = {}
 
     @property
@@ -94,7 +111,11 @@ class ModelRunner:
 
     def set_options(self, flash_attn: bool, cuda_graphs: bool) -> None:
         self.model.set_flash_attn(flash_attn)
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = cuda_graphs and self.device.type == "cuda" and self._graphs_ok
+
+    def agree_tokens(self, ids: list[int]) -> list[int]:
+        """The tokens every rank continues with: rank 0's (as sampled here on one device)."""
+        return self.dist.tokens(ids) if self.dist is not None and self.dist.world_size > 1 else ids
 
     # -- passes ------------------------------------------------------------------------------
     def forward(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
@@ -121,12 +142,20 @@ class ModelRunner:
             return DeviceKVCache(spec, self.device, self.dtype)
         from kvferry.transport.host_cache import HostKVCache
         # pageable copies go through the device's staging queues (also where pinning fails)
-        return HostKVCache(spec, kv, self.device, self.dtype, progress=progress, staged=self.staged)
+        return HostKVCache(spec, kv, self.device, self.dtype, progress=progress, staged=self.staged,
+                           agree=self.agree)
+
+    @property
+    def agree(self):
+        """A split run's ranks take placement decisions together (None on one device)."""
+        return self.dist.agree if self.dist is not None and self.dist.world_size > 1 else None
 
     def close(self) -> None:
         if self._owns_staged and self._staged is not None:
             self._staged.close()
             self._staged = None
+        if self._owns_staged and self.dist is not None:  # the runner that made the group ends it
+            self.dist.close()
 
 
 # ---------------------------------------------------------------------------- limits, checked before use

@@ -4,7 +4,8 @@ directories, plus random weights of a preset shape for speed runs.
 Each tensor is read (memory-mapped), dequantized to the compute dtype and handed to the
 caller's upload function (the engine's, which places it on the device) before the next one
 is touched, so the host never holds a second full copy of the
-model. Internal names: embed, norm, lm_head, rope_freqs, layers.{i}.{attn_norm, wq, wk,
+model. In a split run each tensor is cut to the rank's share (model/shard.py) before the
+upload, and tensors of other ranks' layers are not read. Internal names: embed, norm, lm_head, rope_freqs, layers.{i}.{attn_norm, wq, wk,
 wv, bq, bk, bv, wo, q_norm, k_norm, ffn_norm, w_gate, w_up, w_down}.
 """
 
@@ -22,6 +23,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.model.arch import ModelConfig, arch_spec, load_hf_config
+from kvferry.model.shard import Shard
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ GGUF_SUPPORTED = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", 
 
 
 Upload = Callable[[torch.Tensor], torch.Tensor] | None  # host tensor -> the same on the device
+ShardFor = Callable[[ModelConfig], Shard] | None  # the model's shape -> this rank's share of it
 
 
 @dataclass
@@ -59,6 +62,7 @@ class LoadedModel:
     source: str  # path
     file_bytes: int
     gguf_reader: object = None  # kept for tokenizer metadata (GGUF only)
+    shard: Shard | None = None  # this rank's share in a split run (cfg stays the whole model's shape)
 
 
 def _map_name(name: str, top: dict, per_layer: dict, layer_re: str) -> str | None:
@@ -187,22 +191,24 @@ def _gguf_tensors(reader, cfg: ModelConfig, path: str = "model") -> Iterator[tup
         yield name, read
 
 
-def load_gguf(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
+def load_gguf(path: str, dtype, upload: Upload = None, progress=True, shard_for: ShardFor = None) -> LoadedModel:
     reader = open_gguf(path)
     cfg = gguf_config(reader, path)
+    shard = shard_for(cfg) if shard_for else None  # a share that cannot be met fails before any weight is read
     # listing the tensors first rejects an unsupported type before any weight is read
     weights = _materialize(list(_gguf_tensors(reader, cfg, path)), cfg, dtype, upload,
-                           "load " + os.path.basename(path), progress)
-    return LoadedModel(cfg, weights, path, os.path.getsize(path), reader)
+                           "load " + os.path.basename(path), progress, shard)
+    return LoadedModel(cfg, weights, path, os.path.getsize(path), reader, shard)
 
 
 # ---------------------------------------------------------------------------- safetensors
-def load_hf_dir(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
+def load_hf_dir(path: str, dtype, upload: Upload = None, progress=True, shard_for: ShardFor = None) -> LoadedModel:
     from safetensors import safe_open
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise KvferryError(f"{path} has no config.json (expected a Hugging Face model directory or a .gguf file)")
     cfg = load_hf_config(cfg_path)
+    shard = shard_for(cfg) if shard_for else None
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
     if not files:
         raise KvferryError(f"{path} has no *.safetensors files")
@@ -218,24 +224,29 @@ def load_hf_dir(path: str, dtype, upload: Upload = None, progress=True) -> Loade
             name = _map_name(key, HF_NAMES, HF_LAYER_NAMES, r"model\.layers\.(\d+)\.(.+)")
             if name is not None:
                 items.append((name, lambda h=handle, k=key: h.get_tensor(k)))
-    weights = _materialize(items, cfg, dtype, upload, "load " + os.path.basename(path.rstrip("/")), progress)
-    return LoadedModel(cfg, weights, path, size)
+    weights = _materialize(items, cfg, dtype, upload, "load " + os.path.basename(path.rstrip("/")), progress, shard)
+    return LoadedModel(cfg, weights, path, size, shard=shard)
 
 
-def _materialize(items, cfg: ModelConfig, dtype, upload: Upload, desc, progress) -> dict[str, torch.Tensor]:
+def _materialize(items, cfg: ModelConfig, dtype, upload: Upload, desc, progress,
+                 shard: Shard | None = None) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     bar = _progress(len(items), desc) if progress else None
     for name, read in items:
-        w = read()
-        keep_f32 = name == "rope_freqs"
-        w = w.to(torch.float32 if keep_f32 else dtype).contiguous()
-        weights[name] = upload(w) if upload is not None else w
-        del w
+        local = shard.local_name(name) if shard else name
+        if local is not None:  # another rank's layer is never read
+            w = read()
+            if shard:
+                w = shard.take(name, w, cfg)  # dequantized whole, cut to the share before the upload
+            keep_f32 = name == "rope_freqs"
+            w = w.to(torch.float32 if keep_f32 else dtype).contiguous()
+            weights[local] = upload(w) if upload is not None else w
+            del w
         if bar:
             bar.update()
     if bar:
         bar.close()
-    _check_complete(weights, cfg)
+    _check_complete(weights, shard.local_config(cfg) if shard else cfg)
     return weights
 
 
@@ -251,8 +262,10 @@ def _check_complete(weights, cfg: ModelConfig):
 
 
 # ---------------------------------------------------------------------------- random
-def random_weights(cfg: ModelConfig, device, dtype, seed=0, progress=True) -> LoadedModel:
-    """Random weights of a real shape, made on the device (speed runs only)."""
+def random_weights(cfg: ModelConfig, device, dtype, seed=0, progress=True, shard: Shard | None = None) -> LoadedModel:
+    """Random weights of a real shape, made on the device (speed runs only). A split run
+    draws every tensor whole, in the same order, and keeps its share: the same weights as
+    one device, and one whole tensor at a time on the device."""
     g = torch.Generator(device=device).manual_seed(seed)
     h, f, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     shapes = {"embed": (cfg.vocab_size, h), "norm": (h,)}
@@ -271,26 +284,31 @@ def random_weights(cfg: ModelConfig, device, dtype, seed=0, progress=True) -> Lo
     bar = _progress(len(shapes), "random weights") if progress else None
     for name, shape in shapes.items():
         if len(shape) == 1 and not name.split(".")[-1].startswith("b"):
-            weights[name] = torch.ones(shape, device=device, dtype=dtype)
+            w = torch.ones(shape, device=device, dtype=dtype)
         else:
             std = 0.02 if len(shape) == 2 else 0.01
-            weights[name] = (torch.randn(shape, device=device, generator=g, dtype=torch.float32) * std).to(dtype)
+            w = (torch.randn(shape, device=device, generator=g, dtype=torch.float32) * std).to(dtype)
+        local = shard.local_name(name) if shard else name
+        if local is not None:
+            weights[local] = shard.take(name, w, cfg) if shard else w
+        del w
         if bar:
             bar.update()
     if bar:
         bar.close()
-    return LoadedModel(cfg, weights, "random", sum(w.numel() * w.element_size() for w in weights.values()))
+    return LoadedModel(cfg, weights, "random", sum(w.numel() * w.element_size() for w in weights.values()),
+                       shard=shard)
 
 
-def load_model(path: str, dtype, upload: Upload = None, progress=True) -> LoadedModel:
+def load_model(path: str, dtype, upload: Upload = None, progress=True, shard_for: ShardFor = None) -> LoadedModel:
     """Load a .gguf file or a Hugging Face directory; `upload` places each host tensor (already
     in its dtype) where the model runs (None: it stays in host memory)."""
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype, upload, progress)
+        return load_hf_dir(path, dtype, upload, progress, shard_for)
     if not os.path.exists(path):
         raise KvferryError(f"model file not found: {path}")
     if not path.endswith(".gguf"):
         with open(path, "rb") as f:
             if f.read(4) != b"GGUF":
                 raise KvferryError(f"{path} is neither a .gguf file nor a Hugging Face model directory")
-    return load_gguf(path, dtype, upload, progress)
+    return load_gguf(path, dtype, upload, progress, shard_for)

@@ -8,6 +8,11 @@ depend on where the cache lives. Eager PyTorch pays per launched op, so the hot 
 keeps the op count low: fused q/k/v and gate/up projections, one RoPE call for q and k
 together, and per unmasked chunk one fused attention kernel (flash attention from the
 library) instead of a dozen small ops.
+
+In a split run `cfg` is this rank's share (model/shard.py) and `comm` the engine's
+collectives: `comm.reduce` sums the partial outputs of attention and of the MLP over the
+ranks (tensor split), `comm.start` / `comm.finish` take the hidden states from the previous
+rank and pass them on, and share the logits (layer split).
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ def _fuse(weights: dict, cfg: ModelConfig) -> None:
 
 class Transformer:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, flash_attn: bool = True):
+                 dtype: torch.dtype, flash_attn: bool = True, comm=None):
         self.cfg, self.w, self.device, self.dtype = cfg, weights, device, dtype
+        self.comm = comm  # None on one device
+        self.reduce = comm.reduce if comm is not None else None
         if "layers.0.wqkv" not in weights:
             _fuse(weights, cfg)
         self.lm_head = weights.get("lm_head", weights["embed"])
@@ -79,7 +86,8 @@ class Transformer:
         cos, sin = self.rope.tables(positions, max(batch.ends) - 1, self.dtype)
         cache.begin(batch)  # the first deliveries go out before any compute is enqueued
         try:
-            x = F.embedding(tokens, w["embed"])  # (N, hidden)
+            # (N, hidden); a layer split's later ranks take it from the rank before
+            x = F.embedding(tokens, w["embed"]) if self.comm is None else self.comm.start(tokens, w["embed"])
             att = self.attention_pass(batch, cache)
             for i in range(cfg.num_layers):
                 q, kq, vq = self.pre(i, x, cos, sin, cache.spec.kv_type)
@@ -88,7 +96,7 @@ class Transformer:
         finally:
             cache.end()
         last = slice(-1, None) if one else index_tensor([o - 1 for o in batch.offsets[1:]], self.device)
-        return self.head(x[last])
+        return self.head(x[last]) if self.comm is None else self.comm.finish(x, last, self.head)
 
     # -- the parts of a layer that do not touch the cache (CUDA graphs capture these) -------
     def pre(self, layer: int, x, cos, sin, kv_type: str):
@@ -111,10 +119,12 @@ class Transformer:
     def post(self, layer: int, x, attn):
         """output projection, residual, MLP norm, MLP, residual."""
         p = f"layers.{layer}."
-        x = x + F.linear(attn, self.w[p + "wo"])
+        a = F.linear(attn, self.w[p + "wo"])
+        x = x + (a if self.reduce is None else self.reduce(a))  # a tensor split's ranks add their heads' parts
         h = rms_norm(x, self.w[p + "ffn_norm"], self.cfg.rms_eps)
         gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w[p + "w_down"])
+        m = F.linear(F.silu(gate) * up, self.w[p + "w_down"])
+        return x + (m if self.reduce is None else self.reduce(m))
 
     def head(self, x):
         return F.linear(rms_norm(x, self.w["norm"], self.cfg.rms_eps), self.lm_head).float()

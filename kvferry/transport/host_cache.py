@@ -86,10 +86,12 @@ class HostKVCache(KVCache):
     """`staged`: the device's staging queues (the engine's), used when the cache is pageable;
     without them a pageable cache makes its own. Test hooks: `_delay_s` (lo, hi) seconds, or
     {lane: (lo, hi)} with lane 0 deliveries and 1 write-backs, slows copies down; the
-    `_unsafe_*` flags break one ordering each (the gates' negative controls)."""
+    `_unsafe_*` flags break one ordering each (the gates' negative controls).
+    `agree(ok) -> bool`: in a split run, every rank's vote on the ring (True only where all
+    ranks' rings fit), so that no rank runs pipelined while another declines."""
 
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
-                 staged: StagedQueues | None = None, _delay_s=None, _unsafe_skip_ready=False,
+                 staged: StagedQueues | None = None, agree=None, _delay_s=None, _unsafe_skip_ready=False,
                  _unsafe_early_recycle=False, _unsafe_skip_writeback_wait=False,
                  _unsafe_trust_prefetch=False, _seed=0):
         super().__init__(spec, device, dtype)
@@ -98,6 +100,7 @@ class HostKVCache(KVCache):
         self._unsafe_skip_wb = _unsafe_skip_writeback_wait
         self._unsafe_trust_prefetch = _unsafe_trust_prefetch  # use prefetched units even for another pass
         self._unsafe_early_recycle = _unsafe_early_recycle  # no margin and no release wait
+        self._agree = agree
         self.pinned = self._alloc_host(progress)
         delays = _delay_s if isinstance(_delay_s, dict) or _delay_s is None else {0: _delay_s, 1: _delay_s}
         delays = delays or {}
@@ -228,6 +231,12 @@ class HostKVCache(KVCache):
             torch.cuda.empty_cache()  # slots of an earlier ring are free again
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
         plan = ring_plan(self.spec, self.kv, free)
+        if self._agree is not None and self.kv.depth:
+            # every rank votes, those whose ring fits too: one that declines declines for all
+            # (it says why in its own log)
+            if not self._agree(plan.reason is None) and plan.reason is None:
+                plan = RingPlan(0, 1, plan.slot_bytes, "another rank's ring does not fit "
+                                "(the ranks of a split run decline together)")
         if plan.reason:
             log.warning("pipelined KV transport declined, running ordered: %s", plan.reason)
         return plan

@@ -1,0 +1,129 @@
+"""One rank of a split-mode gate run (tests/test_split.py starts it through kvferry.launch).
+
+usage: split_worker.py OUT_DIR MODE RATIOS PARTS PROMPTS_JSON
+  MODE tensor|layer, RATIOS "" or e.g. "2,1", PARTS a comma list of: placements, delays,
+  controls, reference, fault. Every rank runs the same passes (they are collective); rank 0
+  writes what it saw to OUT_DIR/result.pt. One process group serves every check.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+from kvferry.config import EngineConfig, KVConfig, SamplingConfig  # noqa: E402
+from kvferry.engine.generation import Engine  # noqa: E402
+from kvferry.transport.host_cache import HostKVCache  # noqa: E402
+
+CHUNK = 24
+PLACEMENTS = {"device": {}, "host-ordered": dict(offload=True, depth=0),
+              "host-kvpd1": dict(offload=True, depth=1), "host-kvpd4": dict(offload=True, depth=4)}
+CONTROLS = {  # each breaks one ordering; the delays make the break show (as in test_transport_gates.py)
+    "skip_ready": (dict(_unsafe_skip_ready=True), (1e-3, 4e-3), 24),
+    "early_recycle": (dict(_unsafe_early_recycle=True), (1e-3, 4e-3), 24),
+    "skip_writeback_wait": (dict(_unsafe_skip_writeback_wait=True), {1: (0.01, 0.02)}, 6),
+    "trust_prefetch": (dict(_unsafe_trust_prefetch=True), None, 6),
+}
+
+
+def main():
+    out_dir, mode, ratios, parts, prompts_path = sys.argv[1:6]
+    parts = parts.split(",")
+    with open(prompts_path) as f:
+        prompts = json.load(f)  # {"one": [ids], "eight": [[ids] x 8], "ref": [[ids] x 4]}
+    split = dict(split_mode=mode, split_ratios=tuple(float(x) for x in ratios.split(",")) if ratios else ())
+    first = None
+    engines = {}
+
+    def engine(kv, np_):
+        nonlocal first
+        cfg = EngineConfig(device="cpu", dtype="f32", ctx_size=160, num_seqs=np_,
+                           kv=KVConfig(**dict(kv, chunk_rows=CHUNK)), **split)
+        if cfg not in engines:
+            engines[cfg] = Engine(cfg, progress=False, share_weights=first)
+            first = first or engines[cfg]
+        return engines[cfg]
+
+    res = {}
+    if "fault" in parts:
+        eng = engine({}, 1)
+        rank = eng.runner.dist.rank
+        for i, _ in enumerate(eng.generate_batch([prompts["one"]], 1000, SamplingConfig(temperature=0), stop_at_eog=False)):
+            if rank == 1 and i == 3:  # one rank fails mid-decode; its peers wait in a collective
+                raise RuntimeError("injected fault in rank 1")
+    if "placements" in parts:
+        for name, kv in PLACEMENTS.items():
+            res[("one", name)] = run(engine(kv, 1), [prompts["one"]], 32)
+            res[("eight", name)] = run(engine(kv, 8), prompts["eight"], 24)
+    if "delays" in parts:
+        res[("delays", "device")] = run(engine({}, 8), prompts["eight"], 64)
+        for depth in (1, 4):
+            eng = engine(dict(offload=True, depth=depth), 8)
+            res[("delays", f"kvpd{depth}")] = with_cache(eng, lambda: run(eng, prompts["eight"], 64),
+                                                         _delay_s=(0.0, 3e-4), _seed=depth)
+    if "controls" in parts:
+        eng = engine(dict(offload=True, depth=2), 8)
+        for name, (broken, delay, n) in CONTROLS.items():
+            ref = run(engine({}, 8), prompts["eight"], n)
+            caught = False
+            for seed in range(3):
+                got = with_cache(eng, lambda: run(eng, prompts["eight"], n), _delay_s=delay, _seed=seed, **broken)
+                if not eng.runner.dist.agree(same(got, ref)):  # every rank leaves the loop together
+                    caught = True
+                    break
+            res[("control", name)] = caught
+    if "reference" in parts:
+        res[("reference", "device")] = run(engine({}, 4), prompts["ref"], 32, first_logits=True)
+        res[("reference", "host-kvpd1")] = run(engine(dict(offload=True, depth=1), 4), prompts["ref"], 32,
+                                               first_logits=True)
+    eng = first
+    spec = eng.kv_spec
+    res["ranks"] = eng.runner.dist.gather(dict(kv_heads=spec.num_kv_heads, layers=spec.num_layers,
+                                               shard=eng.loaded.shard, weights=sorted(eng.loaded.weights)[:3]))
+    if eng.runner.dist.rank == 0:
+        torch.save(res, os.path.join(out_dir, "result.pt"))
+    eng.runner.dist.close()
+
+
+def run(eng, prompts, n, first_logits=False):
+    """Greedy ids per sequence, each sequence's last logits (or its prompt's last-position
+    logits), and a per-step checksum of every logits row."""
+    ids = [[] for _ in prompts]
+    keep, sums = {}, []
+
+    def grab(j, logits):
+        if not first_logits or j not in keep:
+            keep[j] = logits.clone()
+        sums.append(float(logits.double().sum()))
+    for step in eng.generate_batch(prompts, n, SamplingConfig(temperature=0), stop_at_eog=False, on_logits=grab):
+        for j, t in enumerate(step):
+            if t is not None:
+                ids[j].append(t)
+    return ids, [keep[j] for j in range(len(prompts))], sums
+
+
+def same(a, b):
+    return a[0] == b[0] and a[2] == b[2] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+def with_cache(eng, fn, **kw):
+    """Run fn with the engine's cache swapped for a host cache with test hooks."""
+    old = eng.cache
+    eng.cache = HostKVCache(eng.kv_spec, eng.cfg.kv, eng.device, eng.dtype, progress=False,
+                            agree=eng.runner.agree, **kw)
+    try:
+        return fn()
+    finally:
+        eng.cache.close()
+        eng.cache = old
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # one line, as kvferry's CLI says it (the launcher reads it)
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)

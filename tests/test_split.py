@@ -1,0 +1,131 @@
+"""Split-mode gates (CPU, gloo, real processes): within one split configuration every KV
+placement gives the same bits, also under copy delays, and the single-device negative
+controls are caught; a split run matches one device within tolerance; a failing rank ends
+the run with one error line.
+
+Each configuration is one process group (tests/split_worker.py) that runs many checks; the
+module runs each group once and the tests read its results.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch
+
+from conftest import ROOT, make_engine
+from kvferry.config import SamplingConfig
+
+TOPICS = ["lighthouses", "bread", "volcanoes", "chess", "rivers", "bees", "comets", "violins"]
+RUNS = {  # name: (ranks, mode, ratios, parts)
+    "tensor2": (2, "tensor", "", "placements,delays,controls,reference"),
+    "tensor3": (3, "tensor", "", "reference"),  # three processes on CI's two cores: the tolerance gate only
+    "layer2": (2, "layer", "", "placements,reference"),
+}
+_results = {}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    tok = make_engine(ctx_size=160, num_seqs=4, kv=dict(chunk_rows=24)).tokenizer
+
+    def enc(t):
+        return tok.encode(f"[task {uuid.uuid4().hex[:8]}] Write two sentences about {t}:")
+    p = dict(one=enc("owls"), eight=[enc(t) for t in TOPICS], ref=[enc(t) for t in TOPICS[:4]])
+    path = tmp_path_factory.mktemp("split") / "prompts.json"
+    path.write_text(json.dumps(p))
+    return p, str(path)
+
+
+def _launch(args, n, timeout):
+    code = "import sys; from kvferry.launch import launch; sys.exit(launch(sys.argv[2:], int(sys.argv[1])))"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, "-c", code, str(n), sys.executable, *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def result(name, prompts, tmp_path_factory):
+    if name not in _results:
+        n, mode, ratios, parts = RUNS[name]
+        out = tmp_path_factory.mktemp(name)
+        r = _launch([os.path.join(ROOT, "tests", "split_worker.py"), str(out), mode, ratios, parts, prompts[1]],
+                    n, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        _results[name] = torch.load(out / "result.pt", weights_only=False)
+    return _results[name]
+
+
+def _same(a, b):
+    return a[0] == b[0] and a[2] == b[2] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("name", ["tensor2", "layer2"])
+def test_placements_are_bitwise_identical_within_a_split(name, prompts, tmp_path_factory):
+    res = result(name, prompts, tmp_path_factory)
+    for batch in ("one", "eight"):
+        ref = res[(batch, "device")]
+        for place in ("host-ordered", "host-kvpd1", "host-kvpd4"):
+            assert _same(res[(batch, place)], ref), f"{name} {batch}: {place} differs from device-resident"
+    assert len({tuple(x) for x in res[("eight", "device")][0]}) == 8, "different prompts, different outputs"
+
+
+def test_copy_delays_change_nothing_over_1000_decode_steps(prompts, tmp_path_factory):
+    res = result("tensor2", prompts, tmp_path_factory)
+    ref = res[("delays", "device")]
+    steps = 0
+    for depth in (1, 4):
+        got = res[("delays", f"kvpd{depth}")]
+        assert _same(got, ref), f"kvpd{depth} with delays differs"
+        steps += sum(len(x) - 1 for x in got[0])
+    assert steps >= 1000
+
+
+@pytest.mark.parametrize("control", ["skip_ready", "early_recycle", "skip_writeback_wait", "trust_prefetch"])
+def test_split_gate_catches_a_broken_ordering(control, prompts, tmp_path_factory):
+    assert result("tensor2", prompts, tmp_path_factory)[("control", control)], f"{control} not caught"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_split_matches_one_device(name, prompts, tmp_path_factory):
+    res = result(name, prompts, tmp_path_factory)
+    eng = make_engine(ctx_size=160, num_seqs=4, kv=dict(chunk_rows=24))
+    ids = [[] for _ in prompts[0]["ref"]]
+    first = {}
+
+    def grab(j, logits):
+        first.setdefault(j, logits.clone())
+    for step in eng.generate_batch(prompts[0]["ref"], 32, SamplingConfig(temperature=0), stop_at_eog=False,
+                                   on_logits=grab):
+        for j, t in enumerate(step):
+            if t is not None:
+                ids[j].append(t)
+    for place in ("device", "host-kvpd1"):
+        got_ids, got_logits, _ = res[("reference", place)]
+        assert got_ids == ids, f"{name} {place}: greedy continuations differ from one device"
+        for j, lg in enumerate(got_logits):
+            diff = (lg - first[j]).abs().max().item()
+            assert diff <= 1e-4, f"{name} {place}: prompt {j} last-position logits differ by {diff}"
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_every_rank_holds_only_its_share(name, prompts, tmp_path_factory):
+    n, mode, _, _ = RUNS[name]
+    ranks = result(name, prompts, tmp_path_factory)["ranks"]
+    assert len(ranks) == n
+    if mode == "tensor":
+        assert [r["kv_heads"] for r in ranks] == {2: [2, 1], 3: [1, 1, 1]}[n]
+        assert all(r["layers"] == 30 for r in ranks)
+    else:
+        assert [r["layers"] for r in ranks] == [15, 15] and all(r["kv_heads"] == 3 for r in ranks)
+
+
+def test_a_failing_rank_ends_the_run_with_one_error_line(prompts, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fault")
+    r = _launch([os.path.join(ROOT, "tests", "split_worker.py"), str(out), "tensor", "", "fault", prompts[1]], 2,
+                timeout=180)
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: rank 1: RuntimeError: injected fault in rank 1"], r.stderr[-3000:]
