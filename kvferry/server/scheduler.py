@@ -167,14 +167,14 @@ class Scheduler:
             self.step()
 
     def step(self) -> None:
-        """One scheduling step: admit, reap cancelled, one prefill chunk, one batched decode."""
-        self._admit()
+        """One scheduling step: free cancelled slots, admit, one prefill chunk, one batched decode."""
         now = self.clock()
         for job in list(self.running):
             if job.cancelled:
                 self._finish(job, "cancelled")
             elif self._deadline is not None and now >= self._deadline:
                 self._fail(job, "the server shut down before this request finished")
+        self._admit()
         pre = next((j for j in self.running if j.prefilling), None)
         if pre is not None:
             self._prefill_chunk(pre)
