@@ -183,7 +183,8 @@ def create_app(rt: Runtime) -> FastAPI:
     async def models():
         _ready(rt)
         return {"object": "list", "data": [{"id": rt.model_id, "object": "model", "created": 0, "owned_by": "kvferry",
-                                            "meta": {"n_ctx": rt.opts.ctx_size, "slots": rt.opts.slots}}]}
+                                            "meta": {"n_ctx": rt.opts.ctx_size, "slots": rt.opts.slots,
+                                                     "tokenizer": rt.tokenizer is not None}}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
