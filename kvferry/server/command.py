@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     s.add_argument("--grace", type=float, default=10,
                    help="seconds running requests get to finish after SIGTERM (default: 10)")
     s.add_argument("--random-weights", default=None, metavar="PRESET",
-                   help="random weights of a real shape (as kvferry bench; no tokenizer: prompts as token ids)")
+                   help="random weights of a preset shape, e.g. llama3-8b (as kvferry bench; no tokenizer: prompts as token ids)")
     s.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers")
     add_model_args(p)
     p.set_defaults(func=cmd_serve)
