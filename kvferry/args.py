@@ -1,4 +1,4 @@
-"""Flags shared by the commands (run, bench; serve later), the parser class they all use,
+"""Flags shared by the commands (run, bench, serve), the parser class they all use,
 and the one mapping from parsed flags onto EngineConfig.
 
 Must not import torch, directly or through another module: `--help` and flag errors

@@ -2,8 +2,9 @@
 
   kvferry run    generate text (stdout carries only the generated text; logs go to stderr)
   kvferry bench  llama-bench-style measurements against the link bound
+  kvferry serve  an OpenAI-compatible HTTP server with continuous batching
 
-Each command owns its flags (run.py, bench/command.py); the flags they share and their
+Each command owns its flags (run.py, bench/command.py, server/command.py); the flags they share and their
 mapping onto the config dataclasses live in args.py. Nothing here imports torch, so
 `--help` and flag errors return at once. Only __main__.py and the console script import
 this module.
@@ -21,11 +22,13 @@ from kvferry.args import Parser
 def build_parser() -> Parser:
     from kvferry import run
     from kvferry.bench import command as bench
+    from kvferry.server import command as serve
 
     p = Parser(prog="kvferry", description="Long-context decoding with the KV cache in host memory.")
     sub = p.add_subparsers(dest="cmd", parser_class=Parser)
     run.add_parser(sub)
     bench.add_parser(sub)
+    serve.add_parser(sub)
     return p
 
 

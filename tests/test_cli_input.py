@@ -13,7 +13,7 @@ from kvferry.config import KV_TYPES
 from kvferry.run import read_prompts
 
 
-@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["bench", "--help"],
+@pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["bench", "--help"], ["serve", "--help"], ["serve", "--port", "x"],
                                   ["run", "-p", "hi", "--bogus"], ["bench", "-n", "x"]])
 def test_help_and_flag_errors_return_without_importing_torch(args):
     r = run_cli(*args)

@@ -79,6 +79,18 @@ class Engine:
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
                       chunk_rows=cfg.kv.chunk_rows)
 
+    def transport_counters(self) -> dict[str, int]:
+        """Cumulative transport figures for monitoring (the server's /metrics); plain ints,
+        safe to read from another thread."""
+        c = self.cache
+        totals = getattr(c, "totals", None) or {}
+        host = bool(c is not None and self.cfg.kv.offload)
+        return dict(kv_h2d_bytes=totals.get("early", 0) + totals.get("late", 0),
+                    kv_d2h_bytes=totals.get("writeback", 0),
+                    ring_declined=int(bool(getattr(c, "decline_reason", None))),
+                    staging_pinned_bytes=self.runner.staging_pinned_bytes,
+                    kv_host_bytes=self.kv_spec.total_bytes if host else 0)
+
     def close(self):
         if self.cache is not None:
             self.cache.close()

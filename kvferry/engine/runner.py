@@ -99,6 +99,11 @@ class ModelRunner:
             self._staged = StagedQueues(self.device, self._staging_cap)
         return self._staged
 
+    @property
+    def staging_pinned_bytes(self) -> int:
+        """Bytes the staging buffer holds now (0 before its first use)."""
+        return self._staged.buffer.pinned_bytes if self._staged is not None else 0
+
     def _upload_fn(self):
         if self.device.type != "cuda":
             return None  # the weights stay where the loader made them

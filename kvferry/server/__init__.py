@@ -1,0 +1,1 @@
+"""`kvferry serve`: an OpenAI-compatible HTTP server with continuous batching over the engine."""
