@@ -100,6 +100,8 @@ def test_profile_splits_each_step_into_host_and_wait_time():
     (["--random-weights", "{short}"], "short.json lacks 'hidden_size'"),
     (["--plot", "/nonexistent/tg.png"], "the directory /nonexistent does not exist"),
     (["--plot", "tg.png", "-n", "0"], "needs a tg test: give -n a value > 0"),
+    (["--kv-accuracy", "--random-weights", "llama3-8b"], "--kv-accuracy needs a real model"),
+    (["--kv-accuracy", "-ctk", "q8_0,q5_k"], "unknown KV type 'q5_k'"),
 ])
 def test_bench_bad_flag_is_one_error_line_before_any_model_load(tmp_path, args, needle):
     (tmp_path / "broken.json").write_text('{"model_type": }')
@@ -125,3 +127,17 @@ def test_link_probe_runs_on_cpu():
     r = run_cli("bench", "--link", "--device", "cpu", "--link-mib", "8")
     assert r.returncode == 0, r.stderr
     assert "| size MiB |" in r.stdout and "| 8 |" in r.stdout and "device memory" in r.stdout
+
+
+def test_kv_accuracy_sees_the_encoding_and_nothing_else():
+    from conftest import make_engine
+    from kvferry.bench.accuracy import format_table, measure
+    ref = make_engine(ctx_size=160, kv=dict(kv_type="f32"))
+    engines = {"f32": ref, "q4_0": make_engine(ctx_size=160, kv=dict(kv_type="q4_0")),
+               # negative control: f32 KV again, in another cache layout (host, ordered): no difference at all
+               "f32 again": make_engine(ctx_size=160, kv=dict(kv_type="f32", offload=True, depth=0))}
+    rows = {r.kv_type: r for r in measure(engines, ref.tokenizer, n_gen=6, progress=False)}
+    same = rows["f32 again"]
+    assert (same.logit_max_abs, same.top1_pct, same.greedy_same, same.prefix_mean) == (0.0, 100.0, 6, 6.0)
+    assert rows["q4_0"].logit_max_abs > 0.05, "q4_0 KV must move the logits"
+    assert "| q4_0 |" in format_table(list(rows.values()), "md")

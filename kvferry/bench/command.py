@@ -58,6 +58,9 @@ def _add_flags(p) -> None:
     p.add_argument("--link-mib", default=None,
                    help="copy sizes of the link probe in MiB, comma list (default: 1,4,16,64,256,1024,4096 "
                         "with --link; 256 for a benchmark's own link figure)")
+    p.add_argument("--kv-accuracy", action="store_true",
+                   help="compare the KV types of -ctk with f32 KV on a real model: logit error and top-1 agreement "
+                        "(teacher-forced) and greedy agreement over -n tokens, on six built-in chat prompts")
     p.add_argument("-pin", "--kv-pinned-sweep", default=None,
                    help="host cache pinned (1) or pageable (0), comma list to sweep (default: --kv-pinned)")
     add_model_args(p, sweep=True)
@@ -183,6 +186,9 @@ def cmd_bench(a) -> int:
     a.link_mib = _ints(a.link_mib or ("1,4,16,64,256,1024,4096" if a.link else "256"), "--link-mib", 1)
     if a.link:
         return _link_only(a)
+    if a.kv_accuracy:
+        from kvferry.bench.accuracy import run
+        return run(a)
     plan = make_plan(a)
     from kvferry.bench.report import format_rows, plot_rows
     from kvferry.bench.runner import Bench  # torch, and the model load: only for a good plan
