@@ -8,9 +8,12 @@ return at once, and a command imports torch only once its input has been checked
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 
 from kvferry import KvferryError
 from kvferry.config import KV_TYPES, EngineConfig, KVConfig
+from kvferry.model.arch import PRESETS, ModelConfig, load_hf_config, preset_config
 
 
 class Parser(argparse.ArgumentParser):
@@ -72,6 +75,40 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
     k.add_argument("--staging-cap", type=int, default=64, help="pinned staging buffer cap in MiB (default: 64)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
+
+
+def add_random_weights_args(p: argparse.ArgumentParser, no_tokenizer_note: str = "") -> None:
+    """--random-weights and --layers (bench and serve): a real shape without a model file."""
+    p.add_argument("--random-weights", default=None, metavar="PRESET",
+                   help=f"random weights of a real shape: {', '.join(PRESETS)}, or a config.json path{no_tokenizer_note}")
+    p.add_argument("--layers", type=int, default=None,
+                   help="with --random-weights: keep this many layers (1 up to the shape's own)")
+
+
+def random_model(a) -> ModelConfig | None:
+    """The shape --random-weights names, cut to --layers; None when the model is a file."""
+    if a.layers is not None:
+        if a.random_weights is None:
+            raise KvferryError("--layers applies only with --random-weights (a model file keeps all its layers)")
+        if a.layers < 1:
+            raise KvferryError(f"--layers must be >= 1, got {a.layers}")
+    rw = a.random_weights
+    if rw is None:
+        return None
+    if rw in PRESETS:
+        cfg = preset_config(rw)
+    elif rw.endswith(".json") or os.sep in rw or os.path.exists(rw):
+        try:
+            cfg = load_hf_config(rw)
+        except KvferryError as e:
+            raise KvferryError(f"--random-weights: {e}") from None
+    else:
+        raise KvferryError(f"--random-weights: unknown preset '{rw}' (known: {', '.join(PRESETS)}; or a config.json path)")
+    if a.layers is not None:
+        if a.layers > cfg.num_layers:
+            raise KvferryError(f"--layers {a.layers}: {rw} has {cfg.num_layers} layers; keep at most that many")
+        cfg = dataclasses.replace(cfg, num_layers=a.layers)
+    return cfg
 
 
 def engine_config(a, **over) -> EngineConfig:

@@ -115,6 +115,46 @@ def test_greedy_equals_run_alone_and_beside_seven_others(request, run_greedy, wh
     assert alone[OTHERS[0]] != alone[QUESTION]
 
 
+HAIKU = "Write a haiku about rain."
+KV_FLAGS = ("-nkvo", "-kvpd", "0", "--no-kv-pinned", "-ctk", "q4_0", "--kv-chunk", "16", "-ub", "16")
+
+
+def test_kv_flags_reach_the_served_engine(dev):
+    """Ordered, pageable, q4_0 host KV through the real `kvferry serve` (every placement and KV
+    type on its own: test_server_kv.py, in-process): the same text as `kvferry run` with those
+    flags, beside a second request."""
+    run = run_cli("run", "-p", HAIKU, "--chat", "-n", str(N), "--temp", "0", "--device", "cpu", "-c", "512",
+                  "--no-progress", *KV_FLAGS)
+    assert run.returncode == 0, run.stderr[-2000:]
+    s = Server("-np", "2", *KV_FLAGS)
+    try:
+        with cf.ThreadPoolExecutor(2) as ex:
+            got = list(ex.map(lambda p: _chat(s, p, temperature=0, max_tokens=N).choices[0].message.content,
+                              [HAIKU, OTHERS[0]]))
+    finally:
+        s.close()
+    assert got[0] == run.stdout[:-1]
+    # negative control: q4_0 changes this answer, so the comparison sees whether the flags arrived
+    assert _chat(dev, HAIKU, temperature=0, max_tokens=N).choices[0].message.content != got[0]
+
+
+def test_random_weights_serve_token_ids():
+    s = Server("--random-weights", "smollm2-135m", "--layers", "2", "-np", "2")
+    try:
+        models = httpx.get(s.url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == ["smollm2-135m"] and models[0]["meta"]["tokenizer"] is False
+        body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "temperature": 0}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        ids = r["choices"][0]["token_ids"]
+        assert len(ids) == 4 and all(0 <= i < 49152 for i in ids) and r["usage"]["completion_tokens"] == 4
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["token_ids"] == ids
+        # no tokenizer: text prompts are refused with an error object, not served
+        r = httpx.post(s.url + "/v1/completions", json={**body, "prompt": "hello"}, timeout=60)
+        assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+    finally:
+        s.close()
+
+
 def test_streaming_reassembles_to_the_same_text_with_usage(dev):
     full = _chat(dev, OTHERS[1], temperature=0, max_tokens=N)
     chunks = list(_chat(dev, OTHERS[1], temperature=0, max_tokens=N, stream=True,
@@ -342,6 +382,19 @@ def test_missing_model_is_one_error_line_and_exit_1():
     r = run_cli("serve", "-m", "/nonexistent.gguf", "--device", "cpu", "--port", str(_free_port()), timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1].startswith("error: model file not found"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--random-weights", "llama9"], "--random-weights: unknown preset 'llama9'"),
+    (["--random-weights", "smollm2-135m", "--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--random-weights", "smollm2-135m", "--layers", "31"], "--layers 31: smollm2-135m has 30 layers"),
+    (["--random-weights", "/nonexistent/config.json"], "--random-weights: /nonexistent/config.json: no such file"),
+    (["--layers", "2"], "--layers applies only with --random-weights"),
+])
+def test_random_weights_flag_errors_before_torch(flags, message):
+    r = run_cli("serve", *flags, "--device", "cpu", "--port", str(_free_port()), timeout=60)
+    assert r.returncode == 1 and not r.torch_imported
+    assert r.stderr.strip().splitlines()[-1].startswith("error: " + message), r.stderr[-2000:]
 
 
 def test_without_the_server_extra_the_error_names_the_install(monkeypatch):

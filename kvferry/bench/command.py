@@ -18,9 +18,9 @@ import os
 import sys
 
 from kvferry import KvferryError
-from kvferry.args import Parser, add_model_args, engine_config
+from kvferry.args import Parser, add_model_args, add_random_weights_args, engine_config, random_model
 from kvferry.config import EngineConfig
-from kvferry.model.arch import PRESETS, ModelConfig, load_hf_config, preset_config
+from kvferry.model.arch import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,7 @@ def _add_flags(p) -> None:
     p.add_argument("-r", "--repetitions", type=int, default=5, help="repetitions per arm (default: 5)")
     p.add_argument("-o", "--output", default="md", choices=["md", "csv", "json", "jsonl"], help="output format (default: md)")
     p.add_argument("--plot", default=None, help="write a PNG of t/s against depth with the link bound (needs a tg test and matplotlib)")
-    p.add_argument("--random-weights", default=None, metavar="PRESET",
-                   help=f"random weights of a real shape: {', '.join(PRESETS)}, or a config.json path")
-    p.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers (1 up to the shape's own)")
+    add_random_weights_args(p)
     p.add_argument("--depth-fill", default="auto", choices=["auto", "random", "prefill"],
                    help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
     p.add_argument("--profile", action="store_true",
@@ -98,32 +96,6 @@ def make_plan(a) -> BenchPlan:
     if a.plot:
         check_plot(a.plot, tg)
     return BenchPlan(pp, tg, depths, arms, base, cfgs, model)
-
-
-def random_model(a) -> ModelConfig | None:
-    """The shape --random-weights names, cut to --layers; None when the model is a file."""
-    if a.layers is not None:
-        if a.random_weights is None:
-            raise KvferryError("--layers applies only with --random-weights (a model file keeps all its layers)")
-        if a.layers < 1:
-            raise KvferryError(f"--layers must be >= 1, got {a.layers}")
-    rw = a.random_weights
-    if rw is None:
-        return None
-    if rw in PRESETS:
-        cfg = preset_config(rw)
-    elif rw.endswith(".json") or os.sep in rw or os.path.exists(rw):
-        try:
-            cfg = load_hf_config(rw)
-        except KvferryError as e:
-            raise KvferryError(f"--random-weights: {e}") from None
-    else:
-        raise KvferryError(f"--random-weights: unknown preset '{rw}' (known: {', '.join(PRESETS)}; or a config.json path)")
-    if a.layers is not None:
-        if a.layers > cfg.num_layers:
-            raise KvferryError(f"--layers {a.layers}: {rw} has {cfg.num_layers} layers; keep at most that many")
-        cfg = dataclasses.replace(cfg, num_layers=a.layers)
-    return cfg
 
 
 def check_plot(path: str, tg: list[int]) -> None:

@@ -15,7 +15,7 @@ import os
 import signal
 
 from kvferry import KvferryError
-from kvferry.args import add_model_args, engine_config
+from kvferry.args import add_model_args, add_random_weights_args, engine_config, random_model
 
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'kvferry[server]'"
@@ -33,9 +33,7 @@ def add_parser(sub) -> None:
     s.add_argument("--max-body", type=float, default=8, help="largest request body in MiB; beyond it, 413 (default: 8)")
     s.add_argument("--grace", type=float, default=10,
                    help="seconds running requests get to finish after SIGTERM (default: 10)")
-    s.add_argument("--random-weights", default=None, metavar="PRESET",
-                   help="random weights of a preset shape, e.g. llama3-8b (as kvferry bench; no tokenizer: prompts as token ids)")
-    s.add_argument("--layers", type=int, default=None, help="with --random-weights: keep this many layers")
+    add_random_weights_args(s, " (no tokenizer: prompts go to /v1/completions as token ids)")
     add_model_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -48,8 +46,7 @@ def cmd_serve(a) -> int:
             raise KvferryError(f"{flag} must be >= 0, got {v}")
     if a.max_body <= 0:
         raise KvferryError(f"--max-body must be > 0 MiB, got {a.max_body}")
-    if a.layers is not None and not a.random_weights:
-        raise KvferryError("--layers only applies with --random-weights")
+    shape = random_model(a)  # a bad preset, path or --layers: one line before anything binds
     cfg = engine_config(a)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
@@ -72,7 +69,7 @@ def cmd_serve(a) -> int:
         fatal.append(message)
         server.should_exit = True
 
-    rt = Runtime(opts, lambda: _load(cfg, a), _make_sampler, on_fatal)
+    rt = Runtime(opts, lambda: _load(cfg, a, shape), _make_sampler, on_fatal)
     app = create_app(rt)
 
     config = uvicorn.Config(Gate(app, a.api_key, opts.max_body_bytes), host=a.host, port=a.port,
@@ -94,11 +91,12 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def _load(cfg, a):
-    """On the engine thread: the Engine and the model id clients name."""
+def _load(cfg, a, shape):
+    """On the engine thread: the Engine and the model id clients name (--random-weights' value
+    as given, for random weights)."""
     from kvferry.engine.generation import Engine, default_model_path
-    if a.random_weights:
-        return Engine(cfg, preset=a.random_weights, layers=a.layers, progress=False), a.random_weights
+    if shape is not None:
+        return Engine(cfg, random_model=shape, progress=False), a.random_weights
     path = cfg.model or default_model_path()
     name = os.path.basename(os.path.normpath(path))
     return Engine(cfg, progress=False), name.removesuffix(".gguf")
