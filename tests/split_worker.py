@@ -2,7 +2,7 @@
 
 usage: split_worker.py OUT_DIR MODE RATIOS PARTS PROMPTS_JSON
   MODE tensor|layer, RATIOS "" or e.g. "2,1", PARTS a comma list of: placements, delays,
-  controls, reference, fault. Every rank runs the same passes (they are collective); rank 0
+  controls, reference, fault, short (placements with half the tokens). Every rank runs the same passes (they are collective); rank 0
   writes what it saw to OUT_DIR/result.pt. One process group serves every check.
 usage: split_worker.py cli KVFERRY_ARGS...
   kvferry's CLI as a user runs it (under torchrun), with rank 1 failing after 3 tokens.
@@ -57,9 +57,10 @@ def main():
             if rank == 1 and i == 3:  # one rank fails mid-decode; its peers wait in a collective
                 raise RuntimeError("injected fault in rank 1")
     if "placements" in parts:
+        n1, n8 = (16, 12) if "short" in parts else (32, 24)  # short: three processes on two cores
         for name, kv in PLACEMENTS.items():
-            res[("one", name)] = run(engine(kv, 1), [prompts["one"]], 32)
-            res[("eight", name)] = run(engine(kv, 8), prompts["eight"], 24)
+            res[("one", name)] = run(engine(kv, 1), [prompts["one"]], n1)
+            res[("eight", name)] = run(engine(kv, 8), prompts["eight"], n8)
     if "delays" in parts:
         res[("delays", "device")] = run(engine({}, 8), prompts["eight"], 64)
         for depth in (1, 4):
