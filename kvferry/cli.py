@@ -33,10 +33,11 @@ def build_parser() -> Parser:
 
 
 def main(argv=None) -> int:
-    from kvferry.launch import launch, rank_env, strip_tp
+    from kvferry.launch import PEER_LOST, launch, rank_env, strip_tp
     argv = sys.argv[1:] if argv is None else argv
     verbose = "-v" in argv or "--verbose" in argv
     rank, world_size = rank_env()
+    where = f"rank {rank}: " if world_size > 1 else ""  # a split run's error line names its rank
     # a split run's other ranks log warnings only (all with -v), each line marked with its rank
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO if rank == 0 else logging.WARNING,
                         stream=sys.stderr,
@@ -59,14 +60,12 @@ def main(argv=None) -> int:
                 raise KvferryError("--tp starts one process per device for a split run: add -sm tensor or -sm layer")
             if world_size > 1:
                 raise KvferryError("--tp starts the processes itself: under torchrun, leave it out")
-            if getattr(a, "file", None) == "-":
-                raise KvferryError("with --tp, every rank reads the prompt: pass it with -p or -f FILE, not -f -")
             return launch([sys.executable, "-m", "kvferry", *strip_tp(argv)], a.tp)
         return a.func(a)
     except KvferryError as e:
         if verbose:
             logging.getLogger("kvferry").exception("error")
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {where}{e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the shell's convention, 128 + SIGINT, and no traceback
         print("interrupted", file=sys.stderr)
@@ -74,5 +73,16 @@ def main(argv=None) -> int:
     except Exception as e:  # an unexpected failure still gets one line unless -v
         if verbose:
             raise
-        print(f"error: {type(e).__name__}: {e} (run with -v for the traceback)", file=sys.stderr)
+        lost = world_size > 1 and _peer_lost(e)
+        if lost:  # not this rank's fault: the failing rank says why in its own error line
+            print(f"[rank {rank}] {PEER_LOST} ({lost})", file=sys.stderr)
+        else:
+            print(f"error: {where}{type(e).__name__}: {e} (run with -v for the traceback)", file=sys.stderr)
         return 1
+
+
+def _peer_lost(e: Exception) -> str | None:
+    if "torch" not in sys.modules:  # no collective has run
+        return None
+    from kvferry.engine.distributed import peer_lost
+    return peer_lost(e)

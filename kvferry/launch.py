@@ -1,10 +1,10 @@
 """`--tp N`: start N local processes of a split run, as torchrun would, and end them together.
 
 Owns the children (one per rank, with torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free loopback port), their output (stdout from rank 0
-only; stderr passed through, each rank's logs already prefixed by the rank), and their end:
-the first rank that fails ends the run, the others are killed, and the run says one
-`error:` line, that rank's. Must not import torch (the parent only waits).
+LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free loopback port), their input and output (standard
+input and stdout to rank 0 only; stderr passed through, each rank's logs already prefixed by
+the rank), and their end: the first rank that fails ends the run, the others are killed, and
+the run says one `error:` line, that rank's. Must not import torch (the parent only waits).
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ import subprocess
 import sys
 import threading
 import time
+
+
+# what a rank says (instead of an `error:` line) when a collective failed because another rank
+# left the run; the launcher drops these lines, the failing rank's error line says why
+PEER_LOST = "stopped: another rank left the run"
 
 
 def rank_env() -> tuple[int, int]:
@@ -39,14 +44,18 @@ def launch(cmd: list[str], n: int) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs, errors = [], []  # errors: (time, rank, line) of each rank's `error:` line
+    procs, errors, lost = [], [], set()  # errors: (time, rank, line) of each rank's `error:` line
     lock = threading.Lock()
 
     def pump(rank, stream):
         for line in stream:
             if line.startswith("error:"):
+                msg = line.rstrip("\n")[len("error:"):].strip()
+                msg = msg if msg.startswith(f"rank {rank}: ") else f"rank {rank}: {msg}"
                 with lock:
-                    errors.append((time.monotonic(), rank, line.rstrip("\n")[len("error:"):].strip()))
+                    errors.append((time.monotonic(), rank, msg))
+            elif PEER_LOST in line:
+                lost.add(rank)
             else:
                 sys.stderr.write(line)
                 sys.stderr.flush()
@@ -55,8 +64,8 @@ def launch(cmd: list[str], n: int) -> int:
     for r in range(n):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        p = subprocess.Popen(cmd, env=env, stdout=None if r == 0 else subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True)
+        p = subprocess.Popen(cmd, env=env, stdin=None if r == 0 else subprocess.DEVNULL,
+                             stdout=None if r == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         procs.append(p)
         t = threading.Thread(target=pump, args=(r, p.stderr), daemon=True)
         t.start()
@@ -65,7 +74,8 @@ def launch(cmd: list[str], n: int) -> int:
     try:
         while any(p.poll() is None for p in procs):
             if failed is None:
-                failed = next((r for r, p in enumerate(procs) if p.returncode not in (None, 0)), None)
+                gone = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+                failed = next((r for r in gone if r not in lost), gone[0] if gone else None)
             if failed is not None:  # one rank is gone: the others would wait for it
                 _kill(procs)
                 break
@@ -83,8 +93,7 @@ def launch(cmd: list[str], n: int) -> int:
     if failed is None:
         return 0
     if errors:  # the first rank to say why is the one that failed first; its peers fail after it
-        _, rank, msg = min(errors)
-        print(f"error: rank {rank}: {msg}", file=sys.stderr)
+        print(f"error: {min(errors)[2]}", file=sys.stderr)
     else:
         print(f"error: rank {failed} exited with code {codes[failed]}", file=sys.stderr)
     return codes[failed] if codes[failed] and codes[failed] > 0 else 1

@@ -13,6 +13,7 @@ import sys
 from kvferry import KvferryError
 from kvferry.args import add_model_args, engine_config
 from kvferry.config import SamplingConfig
+from kvferry.launch import rank_env
 
 log = logging.getLogger("kvferry")
 
@@ -39,7 +40,9 @@ def add_parser(sub) -> None:
 def cmd_run(a) -> int:
     if a.n_predict < 0:
         raise KvferryError(f"-n must be >= 0 (tokens to generate), got {a.n_predict}")
-    prompts = read_prompts(a)
+    # a split run's rank 0 reads standard input (the others have none) and shares it after the load
+    stdin_shared = a.file == "-" and rank_env()[1] > 1
+    prompts = read_prompts(a) if not stdin_shared or rank_env()[0] == 0 else []
     sampling = SamplingConfig(temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, seed=a.seed)
     cfg = engine_config(a)
     if len(prompts) > cfg.num_seqs:
@@ -50,6 +53,8 @@ def cmd_run(a) -> int:
 
     eng = Engine(cfg, progress=not a.no_progress)
     dist = eng.runner.dist
+    if stdin_shared:
+        prompts = dist.share(prompts)
     out = _Stdout(quiet=dist is not None and dist.rank != 0)  # a split run prints once, from rank 0
     try:
         tok = eng.tokenizer

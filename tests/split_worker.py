@@ -2,8 +2,10 @@
 
 usage: split_worker.py OUT_DIR MODE RATIOS PARTS PROMPTS_JSON
   MODE tensor|layer, RATIOS "" or e.g. "2,1", PARTS a comma list of: placements, delays,
-  controls, reference, fault. Every rank runs the same passes (they are collective); rank 0
+  controls, reference, fault, short (placements with half the tokens). Every rank runs the same passes (they are collective); rank 0
   writes what it saw to OUT_DIR/result.pt. One process group serves every check.
+usage: split_worker.py cli KVFERRY_ARGS...
+  kvferry's CLI as a user runs it (under torchrun), with rank 1 failing after 3 tokens.
 """
 
 import json
@@ -55,9 +57,10 @@ def main():
             if rank == 1 and i == 3:  # one rank fails mid-decode; its peers wait in a collective
                 raise RuntimeError("injected fault in rank 1")
     if "placements" in parts:
+        n1, n8 = (16, 12) if "short" in parts else (32, 24)  # short: three processes on two cores
         for name, kv in PLACEMENTS.items():
-            res[("one", name)] = run(engine(kv, 1), [prompts["one"]], 32)
-            res[("eight", name)] = run(engine(kv, 8), prompts["eight"], 24)
+            res[("one", name)] = run(engine(kv, 1), [prompts["one"]], n1)
+            res[("eight", name)] = run(engine(kv, 8), prompts["eight"], n8)
     if "delays" in parts:
         res[("delays", "device")] = run(engine({}, 8), prompts["eight"], 64)
         for depth in (1, 4):
@@ -68,13 +71,16 @@ def main():
         eng = engine(dict(offload=True, depth=2), 8)
         for name, (broken, delay, n) in CONTROLS.items():
             ref = run(engine({}, 8), prompts["eight"], n)
-            caught = False
+            caught = clean = None
             for seed in range(3):
                 got = with_cache(eng, lambda: run(eng, prompts["eight"], n), _delay_s=delay, _seed=seed, **broken)
                 if not eng.runner.dist.agree(same(got, ref)):  # every rank leaves the loop together
-                    caught = True
+                    caught = seed
+                    # the same delays and seed without the break: the break made the difference
+                    clean = same(with_cache(eng, lambda: run(eng, prompts["eight"], n), _delay_s=delay, _seed=seed),
+                                 ref)
                     break
-            res[("control", name)] = caught
+            res[("control", name)] = dict(caught=caught, clean=clean)
     if "reference" in parts:
         res[("reference", "device")] = run(engine({}, 4), prompts["ref"], 32, first_logits=True)
         res[("reference", "host-kvpd1")] = run(engine(dict(offload=True, depth=1), 4), prompts["ref"], 32,
@@ -121,7 +127,23 @@ def with_cache(eng, fn, **kw):
         eng.cache = old
 
 
+def cli_with_fault(argv):
+    from kvferry.cli import main as cli
+    from kvferry.launch import rank_env
+    plain = Engine.generate
+
+    def generate(self, *a, **kw):
+        for i, t in enumerate(plain(self, *a, **kw)):
+            if rank_env()[0] == 1 and i == 3:
+                raise RuntimeError("injected fault in rank 1")
+            yield t
+    Engine.generate = generate
+    return cli(argv)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "cli":
+        sys.exit(cli_with_fault(sys.argv[2:]))
     try:
         main()
     except Exception as e:  # one line, as kvferry's CLI says it (the launcher reads it)

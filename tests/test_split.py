@@ -22,9 +22,10 @@ from kvferry.config import SamplingConfig
 TOPICS = ["lighthouses", "bread", "volcanoes", "chess", "rivers", "bees", "comets", "violins"]
 RUNS = {  # name: (ranks, mode, ratios, parts)
     "tensor2": (2, "tensor", "", "placements,delays,controls,reference"),
-    "tensor3": (3, "tensor", "", "reference"),  # three processes on CI's two cores: the tolerance gate only
-    "layer2": (2, "layer", "", "placements,reference"),
+    "tensor3": (3, "tensor", "", "placements,short,reference"),  # three processes on CI's two cores
+    "layer2": (2, "layer", "", "placements,delays,controls,reference"),
 }
+DELAYED = ["tensor2", "layer2"]  # the copy-delay gate and the negative controls, one configuration per mode
 _results = {}
 
 
@@ -62,7 +63,7 @@ def _same(a, b):
     return a[0] == b[0] and a[2] == b[2] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-@pytest.mark.parametrize("name", ["tensor2", "layer2"])
+@pytest.mark.parametrize("name", list(RUNS))
 def test_placements_are_bitwise_identical_within_a_split(name, prompts, tmp_path_factory):
     res = result(name, prompts, tmp_path_factory)
     for batch in ("one", "eight"):
@@ -72,20 +73,25 @@ def test_placements_are_bitwise_identical_within_a_split(name, prompts, tmp_path
     assert len({tuple(x) for x in res[("eight", "device")][0]}) == 8, "different prompts, different outputs"
 
 
-def test_copy_delays_change_nothing_over_1000_decode_steps(prompts, tmp_path_factory):
-    res = result("tensor2", prompts, tmp_path_factory)
+@pytest.mark.parametrize("name", DELAYED)
+def test_copy_delays_change_nothing_over_1000_decode_steps(name, prompts, tmp_path_factory):
+    res = result(name, prompts, tmp_path_factory)
     ref = res[("delays", "device")]
     steps = 0
     for depth in (1, 4):
         got = res[("delays", f"kvpd{depth}")]
-        assert _same(got, ref), f"kvpd{depth} with delays differs"
+        assert _same(got, ref), f"{name}: kvpd{depth} with delays differs"
         steps += sum(len(x) - 1 for x in got[0])
     assert steps >= 1000
 
 
 @pytest.mark.parametrize("control", ["skip_ready", "early_recycle", "skip_writeback_wait", "trust_prefetch"])
-def test_split_gate_catches_a_broken_ordering(control, prompts, tmp_path_factory):
-    assert result("tensor2", prompts, tmp_path_factory)[("control", control)], f"{control} not caught"
+@pytest.mark.parametrize("name", DELAYED)
+def test_split_gate_catches_a_broken_ordering(name, control, prompts, tmp_path_factory):
+    got = result(name, prompts, tmp_path_factory)[("control", control)]
+    assert got["caught"] is not None, f"{name}: {control} not caught"
+    # the same delays and seed without the break give the reference's bits: the break is what the gate saw
+    assert got["clean"], f"{name}: the run without {control} differs too (seed {got['caught']})"
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -129,3 +135,18 @@ def test_a_failing_rank_ends_the_run_with_one_error_line(prompts, tmp_path_facto
     assert r.returncode != 0
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert errors == ["error: rank 1: RuntimeError: injected fault in rank 1"], r.stderr[-3000:]
+
+
+def test_under_torchrun_a_failing_rank_says_one_error_line_and_no_traceback():
+    # kvferry's CLI as a user runs it under torchrun; rank 1 fails after 3 tokens, rank 0 is in a collective
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(ROOT, "tests", "split_worker.py"), "cli", "run", "-p", "Write about owls:", "-n", "200",
+           "--temp", "0", "--device", "cpu", "--no-progress", "-sm", "tensor", "-nkvo"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=ROOT, env=env)
+    assert r.returncode != 0
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == ["error: rank 1: RuntimeError: injected fault in rank 1 (run with -v for the traceback)"], \
+        r.stderr[-3000:]
+    # the ranks print no traceback (torchrun's own report has one, of torchrun's code)
+    assert "split_worker.py\", line" not in r.stderr and "kvferry/" not in r.stderr, r.stderr[-3000:]

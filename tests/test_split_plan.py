@@ -1,5 +1,6 @@
 """The split's arithmetic and its flags: shares per rank, the one-line errors before any
-weight is read, and `--tp` end to end through the CLI (stdout once, the same text)."""
+weight is read, and `--tp` end to end through the CLI (stdout once, the same text, the
+prompt on standard input)."""
 
 import pytest
 
@@ -49,9 +50,10 @@ def test_too_many_ranks_is_one_error_line_naming_the_heads():
 
 
 def test_tp2_prints_the_same_text_once():
-    args = ["run", "-p", "List three colours:", "-n", "12", "--temp", "0", "--device", "cpu", "--no-progress"]
-    one = run_cli(*args)
-    split = run_cli(*args, "-sm", "tensor", "--tp", "2", "-nkvo")
+    args = ["run", "-n", "12", "--temp", "0", "--device", "cpu", "--no-progress"]
+    one = run_cli(*args, "-p", "List three colours:")
+    # the prompt on standard input: rank 0 reads it and shares it with rank 1
+    split = run_cli(*args, "-f", "-", "-sm", "tensor", "--tp", "2", "-nkvo", input="List three colours:\n")
     assert one.returncode == 0 and split.returncode == 0, split.stderr[-2000:]
     assert split.stdout == one.stdout
 

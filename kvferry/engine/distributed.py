@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 
 import torch
@@ -112,6 +113,12 @@ class Dist:
         dist.broadcast(t, 0)
         return t.tolist()
 
+    def share(self, obj):
+        """Rank 0's `obj` (small, picklable), on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, 0)
+        return box[0]
+
     def gather(self, obj) -> list:
         """Every rank's `obj` (small, picklable), in rank order, on every rank."""
         out = [None] * self.world_size
@@ -121,6 +128,18 @@ class Dist:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def peer_lost(e: BaseException) -> str | None:
+    """The reason, where `e` is a collective failing because another rank left the run (its
+    sockets closed, or it stopped answering within TIMEOUT); None for any other error."""
+    # NCCL raises DistError; gloo a RuntimeError from its transport ("[.../gloo/transport/tcp/
+    # pair.cc:537] Read error [addr]: Connection reset by peer. This is typically ...")
+    text = str(e).strip()
+    if not isinstance(e, dist.DistError) and not (isinstance(e, RuntimeError) and "gloo/transport/" in text):
+        return None
+    msg = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(e).__name__)
+    return msg.split(". ")[0]  # the first sentence: what happened, not gloo's advice
 
 
 def _rank_device(name: str, local_rank: int) -> torch.device:
