@@ -2,9 +2,11 @@
 only the rest is ferried, and output stays bitwise that of a device-resident cache.
 
 The transport's gates (tests/test_transport_gates.py: budget 0) again at budgets of a third,
-two thirds and all of the cache: 1 and 8 sequences at -kvpd 0/1/4, random copy delays over
-more than 1,000 decode steps at a third, and a negative control that the gate still catches
-there. Then the budget -> resident chunks arithmetic, `auto`, and the fallbacks.
+two thirds and all of the cache: 1 and 8 sequences at -kvpd 0/1/4 (one depth where all is
+resident and the ring carries nothing), every run under random copy delays, over 1,000
+delayed decode steps at each partial budget; a negative control that the gate still catches
+at a third; a budget changed mid-decode. Then the budget -> resident chunks arithmetic,
+`auto`, the fallbacks and bad values.
 """
 
 import dataclasses
