@@ -70,6 +70,10 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     k.add_argument("--no-kv-pinned", dest="kv_pinned", action="store_false", help="host KV cache in pageable memory (copies go through the staging buffer)")
     k.add_argument("-kvpd", "--kv-pipeline-depth", default="1", help="look-ahead of the pipelined transport; 0 = ordered (default: 1)")
     k.add_argument("-kvpb", "--kv-pipeline-budget", default="128", help="cap on the ring's device memory in MiB; 0 = no cap (default: 128)")
+    k.add_argument("--kv-device-budget", default="0",
+                   help="with -nkvo: device memory in MiB for the oldest KV chunks of every layer, read in place "
+                        "and never ferried; auto = what is free after weights, ring and 1 GiB of headroom; "
+                        "0 = none (default: 0)" + (" (comma list to sweep)" if sweep else ""))
     k.add_argument("-ctk", "--kv-type", default="auto", help=f"KV type: {', '.join(KV_TYPES)} (default: the compute dtype)")
     k.add_argument("--kv-chunk", default="8192", help="rows per attention/delivery chunk; bounds the ring (default: 8192)")
     k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
@@ -115,7 +119,7 @@ def engine_config(a, **over) -> EngineConfig:
     """Map parsed flags (single values) onto EngineConfig; `over` replaces a flag's value
     (bench passes one arm of a sweep this way)."""
     vals = dict(nkvo=a.no_kv_offload, kvpd=a.kv_pipeline_depth, kvpb=a.kv_pipeline_budget,
-                ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
+                kvdb=a.kv_device_budget, ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
     vals.update(over)
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else onoff(vals["nkvo"], "-nkvo")
     try:
@@ -125,11 +129,22 @@ def engine_config(a, **over) -> EngineConfig:
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
                   budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
-                  staging_cap_mib=a.staging_cap)
+                  staging_cap_mib=a.staging_cap, device_budget_mib=device_budget(vals["kvdb"]))
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
                         cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv, split_mode=a.split_mode,
                         split_ratios=split_ratios(a.tensor_split))
+
+
+def device_budget(v) -> float | str:
+    """--kv-device-budget: MiB as a number, or auto."""
+    s = str(v).strip().lower()
+    if s == "auto":
+        return s
+    try:
+        return float(s)
+    except ValueError:
+        raise KvferryError(f"--kv-device-budget expects MiB as a number or auto, got '{v}'") from None
 
 
 def split_ratios(v: str | None) -> tuple[float, ...]:

@@ -26,6 +26,9 @@ class KVConfig:
     chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
+    # --kv-device-budget: device MiB for the oldest chunks of a host cache (read in place,
+    # never ferried), or "auto" (what is free after weights, ring and headroom); 0 = none
+    device_budget_mib: float | str = 0.0
 
     def __post_init__(self):
         if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
@@ -38,6 +41,12 @@ class KVConfig:
             raise KvferryError(f"--kv-chunk must be >= 1 row, got {self.chunk_rows}")
         if self.debug not in (0, 1, 2):
             raise KvferryError(f"--kv-debug must be 0, 1 or 2, got {self.debug}")
+        b = self.device_budget_mib
+        if b != "auto" and (isinstance(b, str) or not math.isfinite(b) or b < 0):
+            raise KvferryError(f"--kv-device-budget must be MiB >= 0 or auto, got '{b}'")
+        if b != 0 and not self.offload:
+            raise KvferryError("--kv-device-budget keeps part of a host KV cache on the device: add -nkvo "
+                               "(without it the whole cache is on the device)")
         if self.staging_cap_mib < 1:
             raise KvferryError(f"--staging-cap must be >= 1 MiB, got {self.staging_cap_mib}")
 

@@ -74,6 +74,25 @@ def test_bench_md_and_csv_outputs():
     assert [r["test"] for r in rows] == ["pp8", "tg4"] and all(float(r["tps"]) > 0 for r in rows)
 
 
+def test_device_budget_arm_reports_resident_share_and_bounds_by_the_ferried_bytes():
+    # 16-row chunks of 30 layers x 1536 bytes: 0.70 MiB each; 1.5 MiB keeps chunks 0-1 (rows
+    # 0-31) on the device, so at depth 40 attention reads ~3/4 of its KV in place
+    args = [*BENCH[:-4], "-nkvo", "0,1", "-kvpd", "1", "--kv-device-budget", "0,1.5", "-d", "40", "-p", "0",
+            "-r", "1", "-c", "64", "--device", "cpu", "-o", "json"]
+    r = run_cli(*args)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {(x["nkvo"], x["kvdb"]): x for x in json.loads(r.stdout)}
+    assert set(rows) == {("0", "-"), ("1", "0"), ("1", "1.5")}
+    full, part = rows[("1", "0")], rows[("1", "1.5")]
+    assert full["resident_pct"] == 0 and full["resident_mib"] == 0
+    assert 60 < part["resident_pct"] < 80 and part["resident_mib"] == pytest.approx(2 * 0.703, abs=0.01)
+    assert 0 < part["ferried_mib"] < full["ferried_mib"] / 2
+    for x in (full, part):  # the bound: max(device step, ferried bytes / link)
+        assert x["same"] is True
+        assert x["copy_ms"] == pytest.approx(B.transfer_ms(x["ferried_mib"] * 2**20, x["link_gbps"]), rel=0.02, abs=2e-3)
+        assert x["bound_ms"] == pytest.approx(max(x["compute_ms"], x["copy_ms"]), abs=2e-3)
+
+
 def test_profile_splits_each_step_into_host_and_wait_time():
     args = [*BENCH[:-4], "-nkvo", "0", "-d", "0", "-r", "1", "-c", "64", "--device", "cpu", "-p", "0", "-o", "json"]
     plain = json.loads(run_cli(*args).stdout)

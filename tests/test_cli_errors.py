@@ -80,6 +80,9 @@ CASES = {
     "prompt file is a directory": (["-f", "{dir}"], ["cannot read the prompt", "Is a directory"]),
     "missing prompt file": (["-f", "/nonexistent.txt"], ["/nonexistent.txt", "No such file"]),
     "broken config.json": (["-m", "{hf_broken}"], ["config.json is not valid JSON", "line 2, column 21"]),
+    "bad device budget": (["-nkvo", "--kv-device-budget", "lots"], ["--kv-device-budget", "number or auto", "lots"]),
+    "negative device budget": (["-nkvo", "--kv-device-budget", "-5"], ["--kv-device-budget", ">= 0 or auto"]),
+    "device budget without -nkvo": (["--kv-device-budget", "auto"], ["--kv-device-budget", "add -nkvo"]),
     "host KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-nkvo"],
                                     ["KV cache needs", "12800000000000 bytes", "GiB of memory", "lower -c or -np", "-ctk"]),
     "CPU KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-ctk", "f16"],
@@ -89,7 +92,8 @@ CASES = {
 BEFORE_TORCH = {"negative token count", "unknown kv type", "bad device name", "non-integer token count",
                 "nan temperature", "unknown flag names the run command", "prompt and file together",
                 "empty prompt", "prompt bytes not UTF-8", "prompt file not UTF-8",
-                "prompt file holds only a newline", "prompt file is a directory", "missing prompt file"}
+                "prompt file holds only a newline", "prompt file is a directory", "missing prompt file",
+                "bad device budget", "negative device budget", "device budget without -nkvo"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -25,6 +25,11 @@ def test_host_cache_prints_same_text_and_telemetry():
     steps = [ln for ln in host.stderr.splitlines() if "kv step" in ln]
     assert len(steps) >= 15, host.stderr[-2000:]
     assert "pipelined depth 2" in steps[-1] and "early" in steps[-1] and "copies busy" in steps[-1]
+    # 1 MiB holds 2 chunks of 8 rows (30 layers x 1536 bytes a row): rows 0-15 read in place
+    part = run_cli(*args, "-nkvo", "--kv-device-budget", "1", "--kv-debug", "1")
+    assert part.returncode == 0 and part.stdout == dev.stdout, part.stderr[-2000:]
+    last = [ln for ln in part.stderr.splitlines() if "kv step" in ln][-1]
+    assert "chunks 0 .. 1 of every layer resident" in last and "% of the KV read in place" in last, last
 
 
 def test_ctrl_c_ends_the_line_and_exits_130_without_traceback():

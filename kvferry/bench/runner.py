@@ -50,7 +50,8 @@ class Bench:
         if c is None:
             c = self.eng.make_cache(cfg)
             self.caches[key] = c
-        elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib) != (cfg.kv.depth, cfg.kv.budget_mib):
+        elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib, c.kv.device_budget_mib) != (
+                cfg.kv.depth, cfg.kv.budget_mib, cfg.kv.device_budget_mib):
             c.set_transport(cfg.kv)
         return c
 
@@ -162,6 +163,9 @@ class Bench:
                             ref_tokens[i] = toks
                             after = getattr(cache, "totals", {})
                             stats[i] = dict(early=after.get("early", 0) - before.get("early", 0),
+                                            read=sum(after.get(k, 0) - before.get(k, 0)
+                                                     for k in ("early", "late", "resident")),
+                                            resident=after.get("resident", 0) - before.get("resident", 0),
                                             peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0)
                 rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host)
         bar.close()
@@ -216,6 +220,11 @@ class Bench:
                 # keeps it from the device's own bound
                 kv_read = B.decode_kv_bytes(spec.num_layers * spec.token_bytes, depth, n, np_)
                 row["roofline_pct"] = round(B.roofline_pct(step_ms, eng.loaded.file_bytes, kv_read, mem_gbps), 1)
+            # partial residency (--kv-device-budget): the share of the KV that attention read in
+            # place on the device; only the rest was ferried (ferried_mib), and the bound uses that
+            row.update(resident_pct=round(100 * stats[i]["resident"] / stats[i]["read"], 1)
+                       if host and stats[i]["read"] else (100.0 if not host else 0.0),
+                       resident_mib=round(cache.resident.nbytes / MiB, 2) if host and cache.resident is not None else 0)
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
                        declined=(cache.decline_reason or "") if host else "",
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),

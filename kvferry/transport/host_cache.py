@@ -25,6 +25,11 @@ The slot it overwrites was last read by unit u + N - num_slots = u - 2, whose re
 already recorded: recycling is ordered copy-stream-after-compute-stream, never by a host
 wait in the decode loop. A slot holds at most `chunk_rows` rows per sequence, so the
 ring's size does not grow with the context.
+
+Partial residency (--kv-device-budget, transport/residency.py): chunks 0 .. R-1 of every
+layer also live on the device and are read in place; units are then only the ferried chunks
+R .. n-1 of each layer (unit u is layer u // n_ferried, chunk R + u % n_ferried), and all of
+the above counts those units. Every new row is still written back: host memory stays whole.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, CodeSpan, KVCach
 from kvferry.transport import hostmem
 from kvferry.transport.events import Compute
 from kvferry.transport.queues import StreamQueue, ThreadQueue
+from kvferry.transport.residency import ResidentChunks, resident_plan
 from kvferry.transport.staging import StagedQueues
 
 log = logging.getLogger(__name__)
@@ -117,10 +123,11 @@ class HostKVCache(KVCache):
         self.deliver, self.writeback = self.lanes
         self.compute = Compute(device)
         self._build_ring()
+        self._build_residency(fill=False)  # the host cache is all zeros, and so are new device rows
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
-        self.totals = dict(early=0, late=0, writeback=0, prefetch_hit=0, prefetch_miss=0)
+        self.totals = dict(early=0, late=0, writeback=0, resident=0, prefetch_hit=0, prefetch_miss=0)
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB,
                  "pinned" if self.pinned else "pageable (copies through the staging buffer)", self.describe())
 
@@ -147,13 +154,41 @@ class HostKVCache(KVCache):
         # can wait for the previous pass's write-backs without waiting for its own
         self.wb_done = [ev("wb_done0"), ev("wb_done1")]
 
+    def _build_residency(self, fill: bool) -> None:
+        """Keep the oldest chunks of every layer on the device, as many as --kv-device-budget
+        allows (transport/residency.py); the ring then ferries only the rest."""
+        self.resident, self.resident_chunks = None, 0
+        if self.kv.device_budget_mib == 0:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:  # the CPU's "device memory" is the host's
+            free = hostmem.memory_bytes()[1]
+        plan = resident_plan(self.spec, self.kv.device_budget_mib, free, HEADROOM_BYTES)
+        note = plan.note
+        if plan.num_chunks:
+            try:
+                self.resident = ResidentChunks(self.spec, plan.num_chunks, self.device)
+                self.resident_chunks = plan.num_chunks
+            except torch.OutOfMemoryError:
+                note = (f"--kv-device-budget: no device memory for {plan.nbytes / MiB:.1f} MiB of resident "
+                        "chunks; nothing resident, every chunk is ferried")
+        if note:
+            log.log(plan.level if self.resident is not None else logging.WARNING, "host KV: %s", note)
+        if self.resident is not None and fill:
+            self.resident.fill(self.host_k, self.host_v)
+
     def set_transport(self, kv: KVConfig) -> None:
-        """Switch delivery mode/depth/budget, keeping the host cache (pinning it again is slow)."""
+        """Switch delivery mode/depth/budget/residency, keeping the host cache (pinning it
+        again is slow; it holds every row, so the resident chunks are refilled from it)."""
         self.fence()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.kv = kv
+        self.resident = None  # its memory is free for the new ring and plan
         self._build_ring()
+        self._build_residency(fill=True)
         self._unit = 0
         self._pf = None
         log.info("host KV transport: %s", self.describe())
@@ -243,14 +278,22 @@ class HostKVCache(KVCache):
 
     def describe(self) -> str:
         mode = f"pipelined depth {self.depth}" if self.depth else "ordered"
-        return f"{mode}, ring {self.num_slots} x {self.slot_bytes / MiB:.2f} MiB = {self.ring_bytes / MiB:.2f} MiB"
+        out = f"{mode}, ring {self.num_slots} x {self.slot_bytes / MiB:.2f} MiB = {self.ring_bytes / MiB:.2f} MiB"
+        if self.resident is not None:
+            r = self.resident
+            out += (f", chunks 0 .. {r.num_chunks - 1} of every layer resident "
+                    f"({r.rows} of {self.spec.ctx} rows, {r.nbytes / MiB:.2f} MiB)")
+        return out
 
     # -- per pass ------------------------------------------------------------------------
     def begin(self, batch):
         super().begin(batch)
         spec, c = self.spec, self.spec.chunk_rows
         self._nchunks = batch.num_chunks(c)
-        self._units = spec.num_layers * self._nchunks
+        # chunks 0 .. nres - 1 are read in place on the device; units are the ferried rest
+        self._nres = min(self.resident_chunks, self._nchunks)
+        self._nfer = self._nchunks - self._nres
+        self._units = spec.num_layers * self._nfer
         pf, self._pf = self._pf, None
         if pf is not None and (pf["key"] == self._pass_key(batch, self._nchunks) or self._unsafe_trust_prefetch):
             # the end of the previous pass guessed this pass: its first units are on the way
@@ -267,8 +310,8 @@ class HostKVCache(KVCache):
         # per chunk: where this pass's new rows land in the slot. Per sequence they are one
         # contiguous range (rows [a, b) of the slot at batch index j, from rows [o, o + b - a)
         # of the pass); for a large batch, index tensors write all of them in one go.
-        self._late = []
-        for i in range(self._nchunks):
+        self._late = [None] * self._nres  # resident chunks get their rows in _store
+        for i in range(self._nres, self._nchunks):
             ranges = []
             for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
                 a, b = max(start, i * c), min(end, (i + 1) * c)
@@ -280,7 +323,8 @@ class HostKVCache(KVCache):
                 src = [o + r for j, a, b, o in ranges for r in range(b - a)]
                 ranges = tuple(index_tensor(x, self.device) for x in (dj, dr, src))
             self._late.append(ranges or None)
-        self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0)
+        self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0,
+                          resident=self.resident.begin(batch) if self.resident is not None else 0)
         self._t0 = time.perf_counter()
         for q in self.lanes:
             q.timing = self.kv.debug >= 2
@@ -293,13 +337,14 @@ class HostKVCache(KVCache):
             self.compute.wait(self.wb_done[(self.steps - 1) % 2])
 
     def _issue_next(self):
-        self._step["early"] += self._issue(self.batch, self._nchunks, self._unit0, self._issued)
+        self._step["early"] += self._issue(self.batch, self._nfer, self._unit0, self._issued)
         self._issued += 1
 
-    def _issue(self, batch, nchunks: int, unit0: int, u: int) -> int:
-        """Deliver unit u (layer, chunk) of a pass: each sequence's stable rows of that chunk
-        into the unit's slot. Returns the bytes sent."""
-        layer, i = divmod(u, nchunks)
+    def _issue(self, batch, nfer: int, unit0: int, u: int) -> int:
+        """Deliver unit u (layer, ferried chunk) of a pass with nfer ferried chunks per layer:
+        each sequence's stable rows of that chunk into the unit's slot. Returns the bytes sent."""
+        layer, i = divmod(u, nfer)
+        i += self.resident_chunks  # the ferried chunks follow the resident ones
         slot = (unit0 + u) % self.num_slots
         c = self.spec.chunk_rows
         jobs, sent = [], 0
@@ -333,8 +378,9 @@ class HostKVCache(KVCache):
         if max(nxt.ends) > self.spec.ctx:
             return
         nchunks = nxt.num_chunks(self.spec.chunk_rows)
-        n = min(self.depth, self.spec.num_layers * nchunks)
-        sent = sum(self._issue(nxt, nchunks, self._unit, u) for u in range(n))
+        nfer = max(0, nchunks - self.resident_chunks)
+        n = min(self.depth, self.spec.num_layers * nfer)
+        sent = sum(self._issue(nxt, nfer, self._unit, u) for u in range(n))
         self._pf = dict(key=self._pass_key(nxt, nchunks), unit0=self._unit, issued=n, bytes=sent)
 
     def _drop_prefetch(self) -> None:
@@ -345,7 +391,10 @@ class HostKVCache(KVCache):
 
     def _store(self, layer, kq, vq, static=False):
         # (N, H, row_bytes) codes on the device: kept for the slot writes, and copied back
+        # (all of them: host memory stays the complete copy, resident rows included)
         self._new[layer] = (kq, vq)
+        if self.resident is not None:
+            self.resident.store(layer, kq, vq)
         jobs = []
         b = self.batch
         if len(b.seq_ids) == 1:
@@ -368,8 +417,8 @@ class HostKVCache(KVCache):
         """Per chunk of the layer: (chunk index, slot), once the slot holds the chunk (its
         delivery waited for, this pass's rows written into it); the slot's release is
         recorded when the caller resumes, after it has enqueued every read of the slot."""
-        for i in range(self._nchunks):
-            u = layer * self._nchunks + i
+        for k in range(self._nfer):
+            u, i = layer * self._nfer + k, self._nres + k
             # unit u + depth goes out now, after unit u - 1's compute was enqueued
             while self._issued <= min(u + self.depth, self._units - 1):
                 self._issue_next()
@@ -406,6 +455,8 @@ class HostKVCache(KVCache):
 
     def window(self, layer):
         c = self.spec.chunk_rows
+        if self._nres:
+            yield from self.resident.window(layer, self.batch, self._nres)
         for i, slot in self._slots(layer):
             ks, vs = [], []
             for j, end in enumerate(self.batch.ends):
@@ -415,6 +466,8 @@ class HostKVCache(KVCache):
             yield Chunk(i, i * c, ks, vs)
 
     def code_spans(self, layer):
+        if self._nres:  # the resident chunks: one span, one launch, as the device cache's
+            yield self.resident.span(layer, self._nres)
         for i, slot in self._slots(layer):  # a slot holds chunk i of every batch entry
             yield CodeSpan(i, 1, self.slot_k[slot], self.slot_v[slot], False)
 
@@ -429,8 +482,10 @@ class HostKVCache(KVCache):
             self.totals[k] += v
         if self.kv.debug:
             st = self._step
-            msg = (f"kv step {self.steps}: early {st['early'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} KiB, "
-                   f"write-back {st['writeback'] / 1024:.1f} KiB, {self.describe()}, "
+            read = st["resident"] + st["early"] + st["late"]  # the KV bytes attention reads this step
+            msg = (f"kv step {self.steps}: ferried early {st['early'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} "
+                   f"KiB, write-back {st['writeback'] / 1024:.1f} KiB, resident {st['resident'] / 1024:.1f} KiB "
+                   f"({100 * st['resident'] / max(1, read):.0f}% of the KV read in place), {self.describe()}, "
                    f"declines {1 if self.decline_reason else 0}")
             if self.kv.debug >= 2:
                 if self.device.type == "cuda":
@@ -458,6 +513,8 @@ class HostKVCache(KVCache):
         n = kq.shape[0]
         self.host_k[layer][seq_id, start:start + n].copy_(kq)
         self.host_v[layer][seq_id, start:start + n].copy_(vq)
+        if self.resident is not None:
+            self.resident.write_rows(layer, seq_id, start, kq.to(self.device), vq.to(self.device))
 
     def _copy_seconds(self) -> float:
         return sum(q.busy_seconds() for q in self.lanes)
@@ -476,4 +533,7 @@ class HostKVCache(KVCache):
                     ring_mib=round(self.ring_bytes / MiB, 2), slots=self.num_slots,
                     declined=self.decline_reason or "no", early_mib=round(self.totals["early"] / MiB, 2),
                     late_kib=round(self.totals["late"] / 1024, 1), writeback_kib=round(self.totals["writeback"] / 1024, 1),
-                    prefetch_hits=self.totals["prefetch_hit"], prefetch_misses=self.totals["prefetch_miss"])
+                    prefetch_hits=self.totals["prefetch_hit"], prefetch_misses=self.totals["prefetch_miss"],
+                    resident_chunks=self.resident_chunks,
+                    resident_mib=round(self.resident.nbytes / MiB, 2) if self.resident is not None else 0.0,
+                    resident_read_mib=round(self.totals["resident"] / MiB, 2))
