@@ -20,7 +20,7 @@ from kvferry.config import KVConfig, SamplingConfig
 from kvferry.kv.cache import KVSpec
 from kvferry.transport.host_cache import HEADROOM_BYTES
 from kvferry.transport.residency import fit_chunks, resident_bytes, resident_plan
-from test_transport_gates import CHUNK, _assert_same, _prompts, _restore, _run, _with_cache
+from test_transport_gates import CHUNK, _assert_same, _prompts, _restore, _run, _with_cache, caught
 
 MiB = 1 << 20
 CTX = 3 * CHUNK  # 3 chunks per sequence; every run reaches into the last one
@@ -89,21 +89,14 @@ def test_gate_catches_a_skipped_ready_wait_at_a_third(refs):
     its delivery is complete reads another chunk's bytes."""
     prompts, ref = refs[8]
     eng = _engine(dict(offload=True, depth=2, device_budget_mib=_budget_mib(_engine({}, 8), 1 / 3)), 8)
-    caught = False
-    for seed in range(4):
-        # copies slower than a layer's compute (one ferried chunk per layer here, not several)
-        old = _with_cache(eng, _delay_s=(4e-3, 1e-2), _seed=seed, _unsafe_skip_ready=True)
-        try:
-            assert eng.cache.resident_chunks == 1
-            got = _run(eng, prompts, N8)
-        finally:
-            _restore(eng, old)
-        try:
-            _assert_same({"device": ref, "broken": got})
-        except AssertionError:
-            caught = True
-            break
-    assert caught, "the gate did not catch reads before `ready` at a partial budget"
+    # copies slower than a layer's compute (one ferried chunk per layer here, not several)
+    assert caught(eng, prompts, ref, N8, (4e-3, 1e-2), check=_one_resident, _unsafe_skip_ready=True), \
+        "the gate did not catch reads before `ready` at a partial budget"
+
+
+def _one_resident(eng):
+    assert eng.cache.resident_chunks == 1
+
 
 
 def test_new_budget_refills_the_resident_chunks_from_host_memory(refs):

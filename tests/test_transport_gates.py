@@ -133,19 +133,25 @@ def test_gate_catches_a_broken_ordering(broken, delay, n):
     prompts = _prompts(ref_eng, 8)
     ref = _run(ref_eng, prompts, n)
     eng = _engine(dict(offload=True, depth=2), np_=8)
-    caught = False
+    assert caught(eng, prompts, ref, n, delay, **broken), f"the gate did not catch {broken}"
+
+
+def caught(eng, prompts, ref, n, delay, check=None, **broken) -> bool:
+    """Whether a run of `eng` broken by `broken` (and delayed) differs from `ref` within four
+    seeds; `check(eng)` runs on the broken cache first."""
     for seed in range(4):
         old = _with_cache(eng, _delay_s=delay, _seed=seed, **broken)
         try:
+            if check:
+                check(eng)
             got = _run(eng, prompts, n)
         finally:
             _restore(eng, old)
         try:
             _assert_same({"device": ref, "broken": got})
         except AssertionError:
-            caught = True
-            break
-    assert caught, f"the gate did not catch {broken}"
+            return True
+    return False
 
 
 def test_decode_passes_use_the_prefetched_units():
