@@ -72,6 +72,17 @@ def test_round_trip_at_any_size_stays_within_the_cap(kind, device, n):
         q.close()
 
 
+@pytest.mark.parametrize("device", DEVICES, ids=str)
+def test_large_chunks_split_over_memcpy_threads_keep_every_byte(device):
+    """Chunks of MiBs: the compiled worker cuts each into per-thread pieces (non-temporal
+    stores, an unaligned head and tail), in both directions."""
+    q = _queues("native", device, cap=16 << 20)
+    try:
+        assert _round_trip(q, (5 << 20) + 12_345, seed=7)
+    finally:
+        q.close()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_small_copy_does_not_allocate_the_cap(kind):
     q = _queues(kind, cap=64 << 20)
