@@ -121,6 +121,7 @@ def test_profile_splits_each_step_into_host_and_wait_time():
     (["--plot", "tg.png", "-n", "0"], "needs a tg test: give -n a value > 0"),
     (["--kv-accuracy", "--random-weights", "llama3-8b"], "--kv-accuracy needs a real model"),
     (["--kv-accuracy", "-ctk", "q8_0,q5_k"], "unknown KV type 'q5_k'"),
+    (["--kv-accuracy", "-n", "abc"], "-n expects a comma list of integers"),
 ])
 def test_bench_bad_flag_is_one_error_line_before_any_model_load(tmp_path, args, needle):
     (tmp_path / "broken.json").write_text('{"model_type": }')

@@ -18,6 +18,7 @@ import json
 from tqdm import tqdm
 
 from kvferry import KvferryError
+from kvferry.config import SamplingConfig
 
 PROMPTS = [
     "What is the capital of France?",
@@ -43,14 +44,9 @@ class Accuracy:
 
 def _greedy(eng, ids, n):
     out = []
-    for step in eng.generate_batch([ids], n, _greedy_sampling(), stop_at_eog=False):
+    for step in eng.generate_batch([ids], n, SamplingConfig(temperature=0), stop_at_eog=False):
         out.append(step[0])
     return out
-
-
-def _greedy_sampling():
-    from kvferry.config import SamplingConfig
-    return SamplingConfig(temperature=0)
 
 
 def _forced_logits(eng, ids, cont):
@@ -109,8 +105,9 @@ def format_table(rows: list[Accuracy], fmt: str) -> str:
     return "\n".join(lines)
 
 
-def run(a) -> int:
-    """The --kv-accuracy command: -ctk names the KV types to compare with f32 KV."""
+def run(a, n_gens: list[int]) -> int:
+    """The --kv-accuracy command: -ctk names the KV types to compare with f32 KV, over the
+    largest of -n's (already parsed) generation lengths."""
     from kvferry.args import engine_config
 
     if a.random_weights:
@@ -121,21 +118,20 @@ def run(a) -> int:
     kinds = [x.strip() for x in str(a.kv_type).split(",") if x.strip() and x.strip() != REFERENCE]
     if not kinds or kinds == ["auto"]:
         kinds = ["bf16", "f16", "q8_0", "q4_0", "fp8"]
-    n_gen = max(int(x) for x in str(a.n_gen).split(","))
+    n_gen = max(n_gens)
     if n_gen < 1:
         raise KvferryError("--kv-accuracy compares generated tokens: give -n a value > 0")
     base = dict(nkvo="0", kvpd="0", kvpb="0", chunk=str(a.kv_chunk).split(",")[0],
                 fa=str(a.flash_attn).split(",")[0], cg=str(a.cuda_graphs).split(",")[0])
     ctx = 512 + n_gen
-    ref_cfg = dataclasses.replace(engine_config(a, ctk=REFERENCE, **base), ctx_size=ctx, num_seqs=1)
-    for kv in kinds:  # every KV type checked before the model loads
-        engine_config(a, ctk=kv, **base)
+    # every KV type checked (by building its config) before the model loads
+    cfgs = {kv: dataclasses.replace(engine_config(a, ctk=kv, **base), ctx_size=ctx, num_seqs=1)
+            for kv in [REFERENCE] + kinds}
     from kvferry.engine.generation import Engine  # torch, and the model: only for good flags
-    engines = {REFERENCE: Engine(ref_cfg, progress=False)}
+    engines = {REFERENCE: Engine(cfgs[REFERENCE], progress=False)}
     try:
         for kv in kinds:
-            cfg = dataclasses.replace(engine_config(a, ctk=kv, **base), ctx_size=ctx, num_seqs=1)
-            engines[kv] = Engine(cfg, progress=False, share_weights=engines[REFERENCE])
+            engines[kv] = Engine(cfgs[kv], progress=False, share_weights=engines[REFERENCE])
         rows = measure(engines, engines[REFERENCE].tokenizer, n_gen)
     finally:
         for e in reversed(list(engines.values())):

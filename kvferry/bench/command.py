@@ -162,7 +162,7 @@ def cmd_bench(a) -> int:
         return _link_only(a)
     if a.kv_accuracy:
         from kvferry.bench.accuracy import run
-        return run(a)
+        return run(a, _ints(a.n_gen, "-n"))
     plan = make_plan(a)
     from kvferry.bench.report import format_rows, plot_rows
     from kvferry.bench.runner import Bench  # torch, and the model load: only for a good plan
