@@ -4,67 +4,19 @@ kernels against a float64 softmax reference on the dequantized values, for every
 Without CUDA the kernels run under Triton's CPU interpreter; with CUDA, compiled, on the GPU
 (Triton picks one of the two when the kernels are decorated, once per process)."""
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 
 from kvferry.kv import quant
 from kvferry.model.decode_attention import DecodeAttention, Tiling
+from triton_cpu import DEVICE, interpreter_fixture, load
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = Tiling(split_rows=64, block_n=32)  # several splits and tiles at CPU sizes
 
 
-def _interpret(on: bool):
-    """Set TRITON_INTERPRET=1 (on CPU) and return a function that restores the old value."""
-    old = os.environ.get("TRITON_INTERPRET")
-    if on:
-        os.environ["TRITON_INTERPRET"] = "1"
+interpreter_while_these_tests_run = interpreter_fixture()
 
-    def restore():
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return restore
-
-
-def _load_kernels() -> str | None:
-    """Import the kernels (interpreted on CPU); returns why they cannot run here, or None.
-    Triton reads TRITON_INTERPRET when a function is decorated, its own library functions
-    included, so on CPU it is set at collection, before anything else imports Triton."""
-    name = "kvferry.model.decode_kernels"
-    restore = _interpret(DEVICE == "cpu")
-    try:
-        import triton.language as tl
-        mod = sys.modules.get(name)
-        mod = importlib.import_module(name) if mod is None else mod
-        if DEVICE == "cpu" and not mod.INTERPRETED:
-            mod = importlib.reload(mod)
-    except ImportError as e:
-        return f"Triton is not installed ({e})"
-    finally:
-        restore()
-    if DEVICE == "cpu":
-        from triton.runtime.interpreter import InterpretedFunction
-        if not isinstance(tl.zeros, InterpretedFunction):
-            return "Triton was imported before this module could set TRITON_INTERPRET=1: run this file alone"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def interpreter_while_these_tests_run():
-    """Triton also reads TRITON_INTERPRET at its first launch (lazy imports): keep it set on
-    CPU while this module's tests run, and only then."""
-    restore = _interpret(DEVICE == "cpu")
-    yield
-    restore()
-
-
-pytestmark = pytest.mark.skipif((why := _load_kernels()) is not None, reason=why or "")
+pytestmark = pytest.mark.skipif((why := load("kvferry.model.decode_kernels")) is not None, reason=why or "")
 
 
 def _case(kv_type, dtype, num_seqs, hkv, group, head_dim, ctx, seed=0):

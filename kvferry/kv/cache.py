@@ -14,6 +14,7 @@ heads are a dimension, so a tensor-parallel rank holds only its heads.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -39,7 +40,10 @@ def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
 
 def encode_kv(k: torch.Tensor, v: torch.Tensor, kv_type: str) -> tuple[torch.Tensor, torch.Tensor]:
     """New K/V rows (N, H, D) in the compute dtype -> their cache codes (N, H, row_bytes),
-    on the device that computed them (the encoding itself lives in quant.py)."""
+    on the device that computed them (the encoding itself lives in quant.py). q8_0 and q4_0
+    on CUDA go through one Triton launch for both (quant_kernels.py, the same bits)."""
+    if k.is_cuda and kv_type in ("q8_0", "q4_0"):
+        return importlib.import_module("kvferry.kv.quant_kernels").encode(k, v, kv_type)
     return quant.quantize(k, kv_type), quant.quantize(v, kv_type)
 
 

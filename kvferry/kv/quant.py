@@ -50,7 +50,9 @@ def quantize(x: torch.Tensor, kv_type: str) -> torch.Tensor:
     d_head = x.shape[-1]
     blocks = x.float().reshape(*x.shape[:-1], d_head // QBLOCK, QBLOCK)
     if kv_type == "q8_0":
-        scale = (blocks.abs().amax(-1) / 127.0).half()
+        # times the float32 reciprocal, not / 127: CUDA divides a tensor by a scalar that way
+        # and CPU does not, so this is the one form every device (and the kernel) rounds alike
+        scale = (blocks.abs().amax(-1) * (1.0 / 127.0)).half()
         inv = torch.where(scale > 0, 1.0 / scale.float(), torch.zeros_like(scale, dtype=torch.float32))
         codes = (blocks * inv[..., None]).round().clamp(-127, 127).to(torch.int8).view(torch.uint8)
         codes = codes.reshape(*x.shape[:-1], d_head)
