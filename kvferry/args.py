@@ -69,7 +69,9 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
     k.add_argument("--kv-pinned", dest="kv_pinned", action="store_true", default=True, help="host KV cache in pinned memory (default)")
     k.add_argument("--no-kv-pinned", dest="kv_pinned", action="store_false", help="host KV cache in pageable memory (copies go through the staging buffer)")
     k.add_argument("-kvpd", "--kv-pipeline-depth", default="1", help="look-ahead of the pipelined transport; 0 = ordered (default: 1)")
-    k.add_argument("-kvpb", "--kv-pipeline-budget", default="128", help="cap on the ring's device memory in MiB; 0 = no cap (default: 128)")
+    k.add_argument("-kvpb", "--kv-pipeline-budget", default="auto",
+                   help="cap on the ring's device memory in MiB; 0 = no cap; auto = 1/16 of the device's memory "
+                        "(default: auto)")
     k.add_argument("--kv-device-budget", default="0",
                    help="with -nkvo: device memory in MiB for the oldest KV chunks of every layer, read in place "
                         "and never ferried; auto = what is free after weights, ring and 1 GiB of headroom; "
@@ -122,29 +124,25 @@ def engine_config(a, **over) -> EngineConfig:
                 kvdb=a.kv_device_budget, ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
     vals.update(over)
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else onoff(vals["nkvo"], "-nkvo")
-    try:
-        budget = float(vals["kvpb"])
-    except ValueError:
-        raise KvferryError(f"-kvpb expects MiB as a number, got '{vals['kvpb']}'") from None
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
-                  budget_mib=budget, chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
-                  staging_cap_mib=a.staging_cap, device_budget_mib=device_budget(vals["kvdb"]))
+                  budget_mib=mib_or_auto(vals["kvpb"], "-kvpb"), chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
+                  staging_cap_mib=a.staging_cap, device_budget_mib=mib_or_auto(vals["kvdb"], "--kv-device-budget"))
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
                         cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv, split_mode=a.split_mode,
                         split_ratios=split_ratios(a.tensor_split))
 
 
-def device_budget(v) -> float | str:
-    """--kv-device-budget: MiB as a number, or auto."""
+def mib_or_auto(v, flag: str) -> float | str:
+    """A budget flag: MiB as a number, or auto."""
     s = str(v).strip().lower()
     if s == "auto":
         return s
     try:
         return float(s)
     except ValueError:
-        raise KvferryError(f"--kv-device-budget expects MiB as a number or auto, got '{v}'") from None
+        raise KvferryError(f"{flag} expects MiB as a number or auto, got '{v}'") from None
 
 
 def split_ratios(v: str | None) -> tuple[float, ...]:

@@ -22,7 +22,9 @@ class KVConfig:
     offload: bool = False  # -nkvo: keep the KV cache in host memory
     pinned: bool = True  # host cache in pinned (page-locked) memory
     depth: int = 1  # -kvpd: look-ahead of the pipelined transport, 0 = ordered
-    budget_mib: float = 128.0  # -kvpb: cap on the ring's device memory, 0 = no cap
+    # -kvpb: cap on the ring's device memory in MiB, 0 = no cap, or "auto" (a share of the
+    # device's memory, transport/host_cache.RING_SHARE)
+    budget_mib: float | str = "auto"
     chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
@@ -35,8 +37,9 @@ class KVConfig:
             raise KvferryError(f"unknown KV type '{self.kv_type}' (choose one of: auto, {', '.join(KV_TYPES)})")
         if self.depth < 0:
             raise KvferryError(f"-kvpd must be >= 0 (0 = ordered), got {self.depth}")
-        if self.budget_mib < 0:
-            raise KvferryError(f"-kvpb must be >= 0 MiB (0 = no cap), got {self.budget_mib}")
+        b = self.budget_mib
+        if b != "auto" and (isinstance(b, str) or not math.isfinite(b) or b < 0):
+            raise KvferryError(f"-kvpb must be MiB >= 0 (0 = no cap) or auto, got '{b}'")
         if self.chunk_rows < 1:
             raise KvferryError(f"--kv-chunk must be >= 1 row, got {self.chunk_rows}")
         if self.debug not in (0, 1, 2):

@@ -230,17 +230,33 @@ def test_pageable_host_cache_matches_pinned_and_device():
     _assert_same(results)
 
 
+def _llama3_8b_spec(ctx, num_seqs=1, chunk_rows=8192):
+    return KVSpec(num_layers=32, num_seqs=num_seqs, ctx=ctx, num_kv_heads=8, head_dim=128, kv_type="bf16",
+                  chunk_rows=chunk_rows)
+
+
 def test_ring_is_bounded_at_128k_on_llama3_8b_shape():
-    kv = KVConfig(offload=True, depth=1)
+    kv = KVConfig(offload=True, depth=1, budget_mib=128)
     sizes = []
     for ctx in (4096, 32768, 131072):
-        spec = KVSpec(num_layers=32, num_seqs=1, ctx=ctx, num_kv_heads=8, head_dim=128, kv_type="bf16",
-                      chunk_rows=kv.chunk_rows)
-        plan = ring_plan(spec, kv)
+        plan = ring_plan(_llama3_8b_spec(ctx), kv)
         assert plan.depth == 1 and plan.reason is None
         assert plan.ring_bytes <= kv.budget_mib * 2**20
         sizes.append(plan.ring_bytes)
     assert sizes[1] == sizes[2], "the ring must not grow with the context"
+
+
+def test_auto_ring_budget_holds_a_server_batch_on_a_large_device_only():
+    """-kvpb auto (the default) scales with the device: 16 sequences at 4k on an 8B shape
+    (3 slots of 256 MiB) pipeline on an 80 GiB device and decline, saying why, on 8 GiB."""
+    kv = KVConfig(offload=True, depth=1)
+    assert kv.budget_mib == "auto"
+    spec = _llama3_8b_spec(4096, num_seqs=16)
+    big = ring_plan(spec, kv, free_bytes=70 << 30, total_bytes=80 << 30)
+    assert big.depth == 1 and big.reason is None and big.ring_bytes == 768 << 20
+    small = ring_plan(spec, kv, free_bytes=6 << 30, total_bytes=8 << 30)
+    assert small.depth == 0 and "auto" in small.reason and "512 MiB" in small.reason
+    assert ring_plan(spec, KVConfig(offload=True, depth=1, budget_mib=128), 70 << 30, 80 << 30).depth == 0
 
 
 def test_host_write_waits_for_deliveries_in_flight():

@@ -54,6 +54,12 @@ from kvferry.transport.staging import StagedQueues
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 HEADROOM_BYTES = 1 << 30  # keep this much device memory free beyond the ring (activations)
+# -kvpb auto: the ring may take this share of the device's memory. A slot holds one chunk of
+# every sequence, so the ring grows with -np: 3 slots of 16 sequences x 4096 rows of an
+# 8B-shape layer are 768 MiB, which a fixed 128 MiB cap sent to the ordered path (the server's
+# 80% of the link bound at one client, 2026-12-05, H100). 1/16 holds that on a 16 GiB device
+# and leaves 15/16 of any device to weights and resident chunks.
+RING_SHARE = 1 / 16
 # Above this share of the machine's RAM the host cache is not pinned: pinned pages cannot be
 # reclaimed, and the rest of the system would be left too little.
 MAX_PINNED_SHARE = 0.8
@@ -71,16 +77,20 @@ class RingPlan:
         return self.num_slots * self.slot_bytes
 
 
-def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None) -> RingPlan:
-    """Size the ring; decline (ordered, one slot) over the budget or without headroom."""
+def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None, total_bytes: int | None = None) -> RingPlan:
+    """Size the ring; decline (ordered, one slot) over the budget or without headroom.
+    free_bytes / total_bytes: the device's memory (None: not known, no check / no auto cap)."""
     slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes  # K + V rows of every sequence
     if kv.depth == 0:
         return RingPlan(0, 1, slot, None)
     ring = (kv.depth + 2) * slot
-    budget = kv.budget_mib * MiB
+    if kv.budget_mib == "auto":
+        budget, said = (total_bytes or 0) * RING_SHARE, "auto: 1/16 of the device's memory"
+    else:
+        budget, said = kv.budget_mib * MiB, "-kvpb"
     if budget and ring > budget:
         reason = (f"the ring needs {ring / MiB:.1f} MiB ({kv.depth + 2} slots of {slot / MiB:.1f} MiB) "
-                  f"> budget {kv.budget_mib:g} MiB (-kvpb)")
+                  f"> budget {budget / MiB:g} MiB ({said}; raise -kvpb, or lower --kv-chunk or -np)")
     elif free_bytes is not None and ring + HEADROOM_BYTES > free_bytes:
         reason = f"the ring needs {ring / MiB:.1f} MiB but only {free_bytes / MiB:.0f} MiB of device memory is free"
     else:
@@ -264,8 +274,11 @@ class HostKVCache(KVCache):
     def _plan_ring(self):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # slots of an earlier ring are free again
-        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else None
-        plan = ring_plan(self.spec, self.kv, free)
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+        else:  # the CPU's "device memory" is the host's; no free-memory check
+            free, total = None, hostmem.memory_bytes()[0] or None
+        plan = ring_plan(self.spec, self.kv, free, total)
         if self._agree is not None and self.kv.depth:
             # every rank votes, those whose ring fits too: one that declines declines for all
             # (it says why in its own log)
