@@ -77,7 +77,9 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
                         "and never ferried; auto = what is free after weights, ring and 1 GiB of headroom; "
                         "0 = none (default: 0)" + (" (comma list to sweep)" if sweep else ""))
     k.add_argument("-ctk", "--kv-type", default="auto", help=f"KV type: {', '.join(KV_TYPES)} (default: the compute dtype)")
-    k.add_argument("--kv-chunk", default="8192", help="rows per attention/delivery chunk; bounds the ring (default: 8192)")
+    k.add_argument("--kv-chunk", default="auto",
+                   help="rows per attention/delivery chunk; bounds the ring; auto = 2 MiB of one head's K codes, "
+                        "8192 rows of bf16 at head dim 128 (default: auto)")
     k.add_argument("--kv-debug", type=int, default=0, help="1: per-step transport telemetry; 2: adds copy vs compute time")
     k.add_argument("--staging-cap", type=int, default=64, help="pinned staging buffer cap in MiB (default: 64)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging and tracebacks")
@@ -126,7 +128,7 @@ def engine_config(a, **over) -> EngineConfig:
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else onoff(vals["nkvo"], "-nkvo")
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
-                  budget_mib=mib_or_auto(vals["kvpb"], "-kvpb"), chunk_rows=_int(vals["chunk"], "--kv-chunk"), debug=a.kv_debug,
+                  budget_mib=mib_or_auto(vals["kvpb"], "-kvpb"), chunk_rows=_chunk(vals["chunk"]), debug=a.kv_debug,
                   staging_cap_mib=a.staging_cap, device_budget_mib=mib_or_auto(vals["kvdb"], "--kv-device-budget"))
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
@@ -161,6 +163,10 @@ def onoff(v, flag: str) -> bool:
     if s in ("0", "off", "false", "no"):
         return False
     raise KvferryError(f"{flag} expects 0/1 (or off/on), got '{v}'")
+
+
+def _chunk(v) -> int | str:
+    return "auto" if str(v).strip().lower() == "auto" else _int(v, "--kv-chunk")
 
 
 def _int(v, flag: str) -> int:

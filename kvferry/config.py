@@ -25,7 +25,8 @@ class KVConfig:
     # -kvpb: cap on the ring's device memory in MiB, 0 = no cap, or "auto" (a share of the
     # device's memory, transport/host_cache.RING_SHARE)
     budget_mib: float | str = "auto"
-    chunk_rows: int = 8192  # rows of one attention/delivery chunk (bounds the ring)
+    # rows of one attention/delivery chunk (bounds the ring); "auto": kv/quant.chunk_rows
+    chunk_rows: int | str = "auto"
     debug: int = 0  # --kv-debug 0/1/2
     staging_cap_mib: int = 64  # cap of the pinned staging buffer for pageable copies
     # --kv-device-budget: device MiB for the oldest chunks of a host cache (read in place,
@@ -40,8 +41,8 @@ class KVConfig:
         b = self.budget_mib
         if b != "auto" and (isinstance(b, str) or not math.isfinite(b) or b < 0):
             raise KvferryError(f"-kvpb must be MiB >= 0 (0 = no cap) or auto, got '{b}'")
-        if self.chunk_rows < 1:
-            raise KvferryError(f"--kv-chunk must be >= 1 row, got {self.chunk_rows}")
+        if self.chunk_rows != "auto" and (isinstance(self.chunk_rows, str) or self.chunk_rows < 1):
+            raise KvferryError(f"--kv-chunk must be >= 1 row or auto, got '{self.chunk_rows}'")
         if self.debug not in (0, 1, 2):
             raise KvferryError(f"--kv-debug must be 0, 1 or 2, got {self.debug}")
         b = self.device_budget_mib

@@ -57,3 +57,17 @@ def test_every_kv_type_is_byte_identical_across_placements(kv_type):
         prompts = prompts or _prompts(eng, 1)
         results[name] = _run(eng, prompts, 24)
     _assert_same(results)
+
+
+def test_auto_chunk_rows_hold_the_same_bytes_for_every_kv_type():
+    """--kv-chunk auto: 8192 rows of bf16 at head dim 128, and about as many bytes per chunk
+    (within a factor sqrt(2), the nearest power of two) for every type and head dim."""
+    assert quant.chunk_rows("bf16", 128) == 8192
+    assert quant.chunk_rows("q4_0", 128) == 32768 and quant.chunk_rows("f32", 128) == 4096
+    assert quant.chunk_rows("bf16", 128, 24) == 24, "an explicit --kv-chunk is kept"
+    for t in quant.KV_TYPES:
+        for d in (64, 128, 256):
+            rows = quant.chunk_rows(t, d)
+            assert rows & (rows - 1) == 0
+            ratio = rows * quant.row_bytes(t, d) / quant.CHUNK_HEAD_BYTES
+            assert 2 ** -0.5 <= ratio <= 2 ** 0.5, (t, d, rows)

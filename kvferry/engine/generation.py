@@ -20,6 +20,7 @@ from kvferry import KvferryError
 from kvferry.config import EngineConfig, SamplingConfig
 from kvferry.engine.sampling import Sampler
 from kvferry.engine.runner import DTYPE_NAMES, ModelRunner
+from kvferry.kv import quant
 from kvferry.kv.cache import Batch, KVCache, KVSpec, index_tensor
 from kvferry.model.arch import preset_config
 from kvferry.model.loader import LoadedModel
@@ -77,7 +78,7 @@ class Engine:
         kv_type = cfg.kv.kv_type if cfg.kv.kv_type != "auto" else DTYPE_NAMES[self.dtype]
         return KVSpec(num_layers=mc.num_layers, num_seqs=cfg.num_seqs, ctx=cfg.ctx_size,
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
-                      chunk_rows=cfg.kv.chunk_rows)
+                      chunk_rows=quant.chunk_rows(kv_type, mc.head_dim, cfg.kv.chunk_rows))
 
     def transport_counters(self) -> dict[str, int]:
         """Cumulative transport figures for monitoring (the server's /metrics); plain ints,

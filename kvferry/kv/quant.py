@@ -13,6 +13,8 @@ codes and scales each contiguous so (de)quantization is a few vector ops).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvferry import KvferryError
@@ -21,6 +23,12 @@ FLOAT_TYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat1
 QUANT_TYPES = ("q8_0", "q4_0", "fp8")
 KV_TYPES = tuple(FLOAT_TYPES) + QUANT_TYPES
 QBLOCK = 32
+# --kv-chunk auto: a chunk holds about this many bytes of one head's K (and as many of V).
+# 8192 rows of bf16 at head dim 128, the chunk the ring measured at 99-100% of the link from
+# 16k to 128k (H200). With 8192 rows at every type, a q4_0 chunk of an 8B shape was 10 MiB
+# of K + V for all heads and decode at 32k was host-bound at 76% of the bound (four chunk
+# launches per layer, H200, 2026-12-06); with the same bytes per chunk it is one.
+CHUNK_HEAD_BYTES = 2 << 20
 
 
 def check_kv_type(kv_type: str, head_dim: int) -> None:
@@ -39,6 +47,14 @@ def row_bytes(kv_type: str, head_dim: int) -> int:
     if kv_type == "q4_0":
         return head_dim // 2 + 2 * (head_dim // QBLOCK)
     return head_dim  # fp8
+
+
+def chunk_rows(kv_type: str, head_dim: int, asked: int | str = "auto") -> int:
+    """Rows of one KV chunk: `asked`, or for "auto" the power of two nearest to CHUNK_HEAD_BYTES
+    of one head's codes, so a chunk carries about the same bytes whatever the KV type."""
+    if asked != "auto":
+        return int(asked)
+    return 1 << max(0, round(math.log2(CHUNK_HEAD_BYTES / row_bytes(kv_type, head_dim))))
 
 
 def quantize(x: torch.Tensor, kv_type: str) -> torch.Tensor:

@@ -25,7 +25,7 @@ import triton.language as tl
 from kvferry.kv import quant
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-HALF = quant.QBLOCK // 2
+HALF = tl.constexpr(quant.QBLOCK // 2)
 # 1.5 * 2**23: adding and subtracting it rounds a float32 of magnitude < 2**22 to the nearest
 # integer, ties to even (torch.round), with plain adds that the interpreter runs the same way.
 _RNE = tl.constexpr(12582912.0)

@@ -177,16 +177,17 @@ def partials_kernel(Q, K, V, SEQ, ENDS, O_PART, LSE_PART,
 
 @triton.jit(do_not_specialize=["num_parts"])
 def merge_kernel(O_PART, LSE_PART, OUT, num_parts,
-                 G: tl.constexpr, D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Program (b * HKV + h) * G + g: merges partials 0 .. num_parts - 1 of query head
-    h * G + g of sequence b, always in index order, into OUT[b, (h*G + g)*D : +D], i.e. row
-    pid of OUT viewed as (B * HKV * G, D). Partial 0 holds row 0, which every query sees,
-    so the largest log-sum-exp is finite."""
+                 G: tl.constexpr, D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_P: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Program ((b * HKV + h) * G + g, j): merges partials 0 .. num_parts - 1 of query head
+    h * G + g of sequence b, always in index order, into dims j * BLOCK_D .. + BLOCK_D of
+    OUT[b, (h*G + g)*D : +D], i.e. of row pid of OUT viewed as (B * HKV * G, D). Partial 0
+    holds row 0, which every query sees, so the largest log-sum-exp is finite."""
     pid = tl.program_id(0)
     bh = pid // G
     g = pid % G
     p = tl.arange(0, BLOCK_P)
-    d = tl.arange(0, D)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     lse_row = LSE_PART + bh.to(tl.int64) * MAX_PARTS * G + g
     o_row = O_PART + (bh.to(tl.int64) * MAX_PARTS * G + g) * D
 
@@ -196,7 +197,7 @@ def merge_kernel(O_PART, LSE_PART, OUT, num_parts,
         top = tl.maximum(top, tl.load(lse_row + idx * G, mask=idx < num_parts, other=float("-inf")))
     top_all = tl.max(top, 0)
 
-    acc = tl.zeros((BLOCK_P, D), tl.float32)
+    acc = tl.zeros((BLOCK_P, BLOCK_D), tl.float32)
     den = tl.zeros((BLOCK_P,), tl.float32)
     for i in range(0, num_parts, BLOCK_P):
         idx = i + p
