@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, CodeSpan, KVCache, KVSpec, index_tensor
+from kvferry.kv.cache import Batch, CodeSpan, KVCache, KVSpec, chunk_view, plan_writes, write_rows
 from kvferry.transport import hostmem
 from kvferry.transport.events import Compute
 from kvferry.transport.queues import StreamQueue, ThreadQueue
@@ -320,22 +320,10 @@ class HostKVCache(KVCache):
             self._issued = 0
             pf = None
         self._new = [None] * spec.num_layers
-        # per chunk: where this pass's new rows land in the slot. Per sequence they are one
-        # contiguous range (rows [a, b) of the slot at batch index j, from rows [o, o + b - a)
-        # of the pass); for a large batch, index tensors write all of them in one go.
+        # per ferried chunk: where this pass's new rows land in its slot (at their batch index)
         self._late = [None] * self._nres  # resident chunks get their rows in _store
-        for i in range(self._nres, self._nchunks):
-            ranges = []
-            for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
-                a, b = max(start, i * c), min(end, (i + 1) * c)
-                if a < b:
-                    ranges.append((j, a - i * c, b - i * c, batch.offsets[j] + a - start))
-            if len(ranges) > SLICE_COPY_MAX_SEQS:
-                dj = [j for j, a, b, o in ranges for _ in range(b - a)]
-                dr = [r for j, a, b, o in ranges for r in range(a, b)]
-                src = [o + r for j, a, b, o in ranges for r in range(b - a)]
-                ranges = tuple(index_tensor(x, self.device) for x in (dj, dr, src))
-            self._late.append(ranges or None)
+        self._late += [plan_writes(batch, i * c, (i + 1) * c, False, self.device)
+                       for i in range(self._nres, self._nchunks)]
         self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0,
                           resident=self.resident.begin(batch) if self.resident is not None else 0)
         self._t0 = time.perf_counter()
@@ -444,39 +432,17 @@ class HostKVCache(KVCache):
         self._new[layer] = None
 
     def _write_late(self, layer, i, slot):
-        late = self._late[i]
-        if late is None:
-            return
-        sk, sv = self.slot_k[slot], self.slot_v[slot]
         kq, vq = self._new[layer]
-        if isinstance(late, tuple):
-            dj, dr, src = late
-            sk[dj, dr] = kq[src]
-            sv[dj, dr] = vq[src]
-            rows = int(src.numel())
-        elif len(late) == 1 and late[0][3] == 0 and kq.shape[0] == late[0][2] - late[0][1]:
-            j, a, b, o = late[0]  # one sequence, all of the pass's rows: no source slice
-            self._sk[slot][j][a:b].copy_(kq)
-            self._sv[slot][j][a:b].copy_(vq)
-            rows = b - a
-        else:
-            for j, a, b, o in late:
-                self._sk[slot][j][a:b].copy_(kq[o:o + b - a])
-                self._sv[slot][j][a:b].copy_(vq[o:o + b - a])
-            rows = sum(b - a for j, a, b, o in late)
+        rows = write_rows(self.slot_k[slot], self.slot_v[slot], self._late[i], kq, vq)
         self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
 
     def window(self, layer):
-        c = self.spec.chunk_rows
-        if self._nres:
-            yield from self.resident.window(layer, self.batch, self._nres)
+        b, c = self.batch, self.spec.chunk_rows
+        for i in range(self._nres):  # in place, as the device-resident cache yields them
+            yield chunk_view(self.resident.k[layer], self.resident.v[layer], b.seq_ids, b.ends, i, c)
+        entries = range(len(b.ends))  # a slot holds chunk i of every batch entry, at its batch index
         for i, slot in self._slots(layer):
-            ks, vs = [], []
-            for j, end in enumerate(self.batch.ends):
-                n = min(c, end - i * c)
-                ks.append(self._sk[slot][j][:n] if n > 0 else None)
-                vs.append(self._sv[slot][j][:n] if n > 0 else None)
-            yield Chunk(i, i * c, ks, vs)
+            yield chunk_view(self.slot_k[slot], self.slot_v[slot], entries, b.ends, i, c, row0=i * c)
 
     def code_spans(self, layer):
         if self._nres:  # the resident chunks: one span, one launch, as the device cache's
