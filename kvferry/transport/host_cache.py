@@ -103,8 +103,9 @@ class HostKVCache(KVCache):
     without them a pageable cache makes its own. Test hooks: `_delay_s` (lo, hi) seconds, or
     {lane: (lo, hi)} with lane 0 deliveries and 1 write-backs, slows copies down; the
     `_unsafe_*` flags break one ordering each (the gates' negative controls).
-    `agree(ok) -> bool`: in a split run, every rank's vote on the ring (True only where all
-    ranks' rings fit), so that no rank runs pipelined while another declines."""
+    `agree(x)`: in a split run, the least of every rank's x: the vote on the ring (True only
+    where all ranks' rings fit), so that no rank runs pipelined while another declines, and
+    the resident chunks per layer (every rank keeps the fewest any rank can hold)."""
 
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
                  staged: StagedQueues | None = None, agree=None, _delay_s=None, _unsafe_skip_ready=False,
@@ -176,16 +177,27 @@ class HostKVCache(KVCache):
         else:  # the CPU's "device memory" is the host's
             free = hostmem.memory_bytes()[1]
         plan = resident_plan(self.spec, self.kv.device_budget_mib, free, HEADROOM_BYTES)
-        note = plan.note
-        if plan.num_chunks:
+        note, n = plan.note, plan.num_chunks
+        if n:
             try:
-                self.resident = ResidentChunks(self.spec, plan.num_chunks, self.device)
-                self.resident_chunks = plan.num_chunks
+                self.resident = ResidentChunks(self.spec, n, self.device)
             except torch.OutOfMemoryError:
-                note = (f"--kv-device-budget: no device memory for {plan.nbytes / MiB:.1f} MiB of resident "
-                        "chunks; nothing resident, every chunk is ferried")
+                note, n = (f"--kv-device-budget: no device memory for {plan.nbytes / MiB:.1f} MiB of resident "
+                           "chunks; nothing resident, every chunk is ferried"), 0
         if note:
-            log.log(plan.level if self.resident is not None else logging.WARNING, "host KV: %s", note)
+            log.log(plan.level if n else logging.WARNING, "host KV: %s", note)
+        if self._agree is not None:
+            # a split run decides placement together, as it does the ring: every rank keeps the
+            # fewest chunks any rank can hold (ranks differ in heads or layers, device and free memory)
+            least = self._agree(n)
+            if least < n:
+                log.log(plan.level, "host KV: --kv-device-budget: %d of %d chunks per layer resident, not the %d "
+                        "this rank's budget holds: another rank of the split run holds only %d, and the ranks "
+                        "keep the same count", least, plan.total_chunks, n, least)
+                self.resident = None  # its memory is free for the smaller one
+                self.resident = ResidentChunks(self.spec, least, self.device) if least else None
+                n = least
+        self.resident_chunks = n if self.resident is not None else 0
         if self.resident is not None and fill:
             self.resident.fill(self.host_k, self.host_v)
 
