@@ -138,6 +138,9 @@ class HostKVCache(KVCache):
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
+        # the link's host-to-device GB/s where the caller measured it (kvferry bench's probe):
+        # the --kv-debug line then gives the bound that follows from the bytes ferried
+        self.link_gbps: float | None = None
         self.totals = dict(early=0, late=0, writeback=0, resident=0, prefetch_hit=0, prefetch_miss=0)
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB,
                  "pinned" if self.pinned else "pageable (copies through the staging buffer)", self.describe())
@@ -474,10 +477,13 @@ class HostKVCache(KVCache):
         if self.kv.debug:
             st = self._step
             read = st["resident"] + st["early"] + st["late"]  # the KV bytes attention reads this step
-            msg = (f"kv step {self.steps}: ferried early {st['early'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} "
-                   f"KiB, write-back {st['writeback'] / 1024:.1f} KiB, resident {st['resident'] / 1024:.1f} KiB "
-                   f"({100 * st['resident'] / max(1, read):.0f}% of the KV read in place), {self.describe()}, "
-                   f"declines {1 if self.decline_reason else 0}")
+            msg = (f"kv step {self.steps}: ferried {st['early'] / 1024:.1f} KiB early, resident "
+                   f"{st['resident'] / 1024:.1f} KiB ({100 * st['resident'] / max(1, read):.0f}% of the KV read in "
+                   f"place), late {st['late'] / 1024:.1f} KiB, write-back {st['writeback'] / 1024:.1f} KiB")
+            if self.link_gbps:  # the step's bound: max(device step, ferried bytes / link)
+                msg += (f", bound max(device step, {st['early'] / self.link_gbps / 1e6:.3f} ms = ferried / "
+                        f"{self.link_gbps:.1f} GB/s)")
+            msg += f"; {self.describe()}, declines {1 if self.decline_reason else 0}"
             if self.kv.debug >= 2:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
