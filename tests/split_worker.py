@@ -2,13 +2,16 @@
 
 usage: split_worker.py OUT_DIR MODE RATIOS PARTS PROMPTS_JSON
   MODE tensor|layer, RATIOS "" or e.g. "2,1", PARTS a comma list of: placements, delays,
-  controls, reference, fault, short (placements with half the tokens). Every rank runs the same passes (they are collective); rank 0
+  controls, reference, fault, short (placements with half the tokens), residency (after
+  placements: a different --kv-device-budget per rank). Every rank runs the same passes (they are collective); rank 0
   writes what it saw to OUT_DIR/result.pt. One process group serves every check.
 usage: split_worker.py cli KVFERRY_ARGS...
   kvferry's CLI as a user runs it (under torchrun), with rank 1 failing after 3 tokens.
 """
 
+import dataclasses
 import json
+import logging
 import os
 import sys
 
@@ -19,6 +22,7 @@ import torch  # noqa: E402
 from kvferry.config import EngineConfig, KVConfig, SamplingConfig  # noqa: E402
 from kvferry.engine.generation import Engine  # noqa: E402
 from kvferry.transport.host_cache import HostKVCache  # noqa: E402
+from kvferry.transport.residency import resident_bytes  # noqa: E402
 
 CHUNK = 24
 PLACEMENTS = {"device": {}, "host-ordered": dict(offload=True, depth=0),
@@ -56,11 +60,13 @@ def main():
         for i, _ in enumerate(eng.generate_batch([prompts["one"]], 1000, SamplingConfig(temperature=0), stop_at_eog=False)):
             if rank == 1 and i == 3:  # one rank fails mid-decode; its peers wait in a collective
                 raise RuntimeError("injected fault in rank 1")
+    n1, n8 = (16, 12) if "short" in parts else (32, 24)  # short: three processes on two cores
     if "placements" in parts:
-        n1, n8 = (16, 12) if "short" in parts else (32, 24)  # short: three processes on two cores
         for name, kv in PLACEMENTS.items():
             res[("one", name)] = run(engine(kv, 1), [prompts["one"]], n1)
             res[("eight", name)] = run(engine(kv, 8), prompts["eight"], n8)
+    if "residency" in parts:
+        res.update(residency(engine(dict(offload=True, depth=1), 8), prompts["eight"], n8))
     if "delays" in parts:
         res[("delays", "device")] = run(engine({}, 8), prompts["eight"], 64)
         for depth in (1, 4):
@@ -109,6 +115,31 @@ def run(eng, prompts, n, first_logits=False):
             if t is not None:
                 ids[j].append(t)
     return ids, [keep[j] for j in range(len(prompts))], sums
+
+
+def residency(eng, prompts, n):
+    """Each rank's budget holds rank + 1 chunks per layer of its own share; the ranks keep
+    the fewest (one) and say why once where they could hold more. The run, against the
+    same split's device-resident one (the placements part's)."""
+    dist = eng.runner.dist
+    notes = []
+    grab = logging.Handler()
+    grab.emit = lambda r: notes.append(r.getMessage())
+    logger = logging.getLogger("kvferry.transport.host_cache")
+    logger.addHandler(grab)
+    try:
+        budget = resident_bytes(eng.kv_spec, dist.rank + 1) / (1 << 20)
+        eng.cache.set_transport(dataclasses.replace(eng.cfg.kv, device_budget_mib=budget))
+        chunks = eng.cache.resident_chunks
+        before = dict(eng.cache.totals)
+        got = run(eng, prompts, n)
+        moved = {k: eng.cache.totals[k] - before[k] for k in ("early", "resident")}
+    finally:
+        logger.removeHandler(grab)
+        eng.cache.set_transport(eng.cfg.kv)  # the engine is shared: back to budget 0
+    ranks = dist.gather(dict(own=dist.rank + 1, chunks=chunks, moved=moved,
+                             notes=[m for m in notes if "another rank" in m]))
+    return {("residency", "eight"): got, ("residency", "ranks"): ranks}
 
 
 def same(a, b):

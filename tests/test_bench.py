@@ -78,9 +78,13 @@ def test_device_budget_arm_reports_resident_share_and_bounds_by_the_ferried_byte
     # 16-row chunks of 30 layers x 1536 bytes: 0.70 MiB each; 1.5 MiB keeps chunks 0-1 (rows
     # 0-31) on the device, so at depth 40 attention reads ~3/4 of its KV in place
     args = [*BENCH[:-4], "-nkvo", "0,1", "-kvpd", "1", "--kv-device-budget", "0,1.5", "-d", "40", "-p", "0",
-            "-r", "1", "-c", "64", "--device", "cpu", "-o", "json"]
+            "-r", "1", "-c", "64", "--device", "cpu", "-o", "json", "--kv-debug", "1"]
     r = run_cli(*args)
     assert r.returncode == 0, r.stderr[-2000:]
+    # --kv-debug's line: the bytes ferried and read in place, and with the probed link the bound
+    steps = [ln for ln in r.stderr.splitlines() if "kv step" in ln]
+    assert steps and all("% of the KV read in place" in ln and "bound max(device step, " in ln for ln in steps)
+    assert any("chunks 0 .. 1 of every layer resident" in ln for ln in steps), steps[-1]
     rows = {(x["nkvo"], x["kvdb"]): x for x in json.loads(r.stdout)}
     assert set(rows) == {("0", "-"), ("1", "0"), ("1", "1.5")}
     full, part = rows[("1", "0")], rows[("1", "1.5")]

@@ -21,11 +21,11 @@ from kvferry.config import SamplingConfig
 
 TOPICS = ["lighthouses", "bread", "volcanoes", "chess", "rivers", "bees", "comets", "violins"]
 RUNS = {  # name: (ranks, mode, ratios, parts)
-    "tensor2": (2, "tensor", "", "placements,delays,controls,reference"),
+    "tensor2": (2, "tensor", "", "placements,residency,delays,controls,reference"),
     "tensor3": (3, "tensor", "", "placements,short,reference"),  # three processes on CI's two cores
-    "layer2": (2, "layer", "", "placements,delays,controls,reference"),
+    "layer2": (2, "layer", "", "placements,residency,delays,controls,reference"),
 }
-DELAYED = ["tensor2", "layer2"]  # the copy-delay gate and the negative controls, one configuration per mode
+DELAYED = ["tensor2", "layer2"]  # also a different --kv-device-budget per rank  # the copy-delay gate and the negative controls, one configuration per mode
 _results = {}
 
 
@@ -71,6 +71,20 @@ def test_placements_are_bitwise_identical_within_a_split(name, prompts, tmp_path
         for place in ("host-ordered", "host-kvpd1", "host-kvpd4"):
             assert _same(res[(batch, place)], ref), f"{name} {batch}: {place} differs from device-resident"
     assert len({tuple(x) for x in res[("eight", "device")][0]}) == 8, "different prompts, different outputs"
+
+
+@pytest.mark.parametrize("name", DELAYED)
+def test_ranks_with_different_budgets_keep_the_same_resident_chunks(name, prompts, tmp_path_factory):
+    res = result(name, prompts, tmp_path_factory)
+    ranks = res[("residency", "ranks")]
+    assert [r["own"] for r in ranks] == [1, 2]  # each rank's own budget, in chunks per layer
+    assert [r["chunks"] for r in ranks] == [1, 1], ranks  # the fewest any rank holds
+    # the rank whose own plan was larger says why, once; the other says nothing
+    assert [len(r["notes"]) for r in ranks] == [0, 1], ranks
+    assert "1 of 7 chunks per layer resident, not the 2" in ranks[1]["notes"][0]
+    # part read in place, part ferried, and the bits of the same split's device-resident run
+    assert all(r["moved"]["resident"] > 0 and r["moved"]["early"] > 0 for r in ranks), ranks
+    assert _same(res[("residency", "eight")], res[("eight", "device")]), f"{name}: residency differs"
 
 
 @pytest.mark.parametrize("name", DELAYED)

@@ -130,6 +130,9 @@ class Bench:
         link = probe_link(dev, a.link_mib[0], staged=eng.runner.staged if pageable else None)
         mem_gbps = probe_device_memory(dev)
         link_gbps = link["h2d_pinned"]
+        for c in self.caches.values():
+            if hasattr(c, "link_gbps"):  # a host cache: its --kv-debug line gives the step's bound
+                c.link_gbps = link_gbps
         log.info("link %.1f GB/s host to device (pinned), device memory %.0f GB/s", link_gbps, mem_gbps)
         rows = []
         total = len(self.depths) * len(tests) * len(self.arms) * (a.repetitions + 1)

@@ -5,7 +5,8 @@ MASTER_ADDR/PORT; `kvferry --tp N` sets the same for the processes it starts), t
 device, and every collective of a split run: the all-reduce after attention and after the
 MLP (tensor split), hidden states passed rank to rank and the logits shared (layer split),
 the sampled tokens broadcast from rank 0, and the agreement of placement decisions (a ring
-that does not fit on one rank is declined on all). NCCL on CUDA, gloo on CPU; no transport
+that does not fit on one rank is declined on all; every rank keeps the fewest resident KV
+chunks any rank can hold). NCCL on CUDA, gloo on CPU; no transport
 of our own between processes.
 
 Must not: decide anything per rank that changes which path a pass takes (every such
@@ -101,11 +102,12 @@ class Dist:
         return logits
 
     # -- agreement --------------------------------------------------------------------------
-    def agree(self, ok: bool) -> bool:
-        """True only where every rank says ok: a decision no rank may take alone."""
-        t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+    def agree(self, value: bool | int) -> bool | int:
+        """The least of every rank's value. A vote (bool): True only where every rank says ok,
+        a decision no rank may take alone; a count (int): the most every rank can do."""
+        t = torch.tensor([int(value)], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        return bool(t.item())
+        return type(value)(t.item())
 
     def tokens(self, ids: list[int]) -> list[int]:
         """Rank 0's sampled tokens, on every rank."""

@@ -5,8 +5,9 @@ pageable host KV cache's copies all go through them: transport/staging.py), the 
 placement (the upload function it hands the loader), the transformer, its CUDA graphs for
 decode passes, and making KV caches for it. In a split run (-sm tensor / layer) it also
 holds this rank's place (engine/distributed.py): the rank's device, its share of the
-weights, the model's collectives, and the agreement on each cache's ring. The model package knows none of this: it is plain
-math on tensors that are already where they belong.
+weights, the model's collectives, and the agreement on each cache's ring and resident
+chunks. The model package knows none of this: it is plain math on tensors that are already
+where they belong.
 """
 
 from __future__ import annotations

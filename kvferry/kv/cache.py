@@ -129,6 +129,58 @@ class CodeSpan:
     by_seq: bool
 
 
+# -- rows of a pass in a store: shared by the device cache, the ring's slots and the resident chunks
+def plan_writes(batch: Batch, lo: int, hi: int, by_seq: bool, device: torch.device):
+    """Where this pass's new rows that fall in sequence rows [lo, hi) land, for `write_rows`:
+    per batch entry with any, (d, a, b, o): rows [a, b) (counted from lo) of entry d of the
+    store (its sequence id where `by_seq`, else its batch index) take rows [o, o + b - a) of
+    the pass. Over SLICE_COPY_MAX_SEQS entries, three index tensors (d, row, src) for one
+    indexed write instead (src None where every row of the pass lands, in order). None where
+    no row falls in [lo, hi)."""
+    ranges = []
+    for j, (s, start, end, o) in enumerate(zip(batch.seq_ids, batch.starts, batch.ends, batch.offsets)):
+        a, b = max(start, lo), min(end, hi)
+        if a < b:
+            ranges.append((s if by_seq else j, a - lo, b - lo, o + a - start))
+    if len(ranges) <= SLICE_COPY_MAX_SEQS:
+        return ranges or None
+    dst = [d for d, a, b, o in ranges for _ in range(b - a)]
+    row = [r for d, a, b, o in ranges for r in range(a, b)]
+    src = None if len(row) == batch.num_tokens else index_tensor([o + r for d, a, b, o in ranges for r in range(b - a)],
+                                                                  device)
+    return index_tensor(dst, device), index_tensor(row, device), src
+
+
+def write_rows(k: torch.Tensor, v: torch.Tensor, writes, kq: torch.Tensor, vq: torch.Tensor) -> int:
+    """Write a `plan_writes` plan: k, v the store (entries, rows, H, row_bytes), kq, vq the
+    pass's new rows (N, H, row_bytes). Returns the rows written."""
+    if writes is None:
+        return 0
+    if isinstance(writes, tuple):  # one indexed write for the whole batch
+        d, r, src = writes
+        k[d, r] = kq if src is None else kq[src]
+        v[d, r] = vq if src is None else vq[src]
+        return int(r.numel())
+    for d, a, b, o in writes:  # a plain slice copy per sequence: fewer launches
+        whole = o == 0 and b - a == kq.shape[0]  # all of the pass's rows: no source slice
+        k[d, a:b].copy_(kq if whole else kq[o:o + b - a])
+        v[d, a:b].copy_(vq if whole else vq[o:o + b - a])
+    return sum(b - a for d, a, b, o in writes)
+
+
+def chunk_view(k: torch.Tensor, v: torch.Tensor, keys, ends: list[int], i: int, chunk_rows: int,
+               row0: int = 0) -> Chunk:
+    """Chunk i of the batch: entry j's rows of it (up to its end) from store entry keys[j],
+    whose row 0 is sequence row `row0` (0 for a whole sequence, i * chunk_rows for a slot)."""
+    ks, vs = [], []
+    for key, end in zip(keys, ends):
+        n = min(chunk_rows, end - i * chunk_rows)
+        r0 = i * chunk_rows - row0
+        ks.append(k[key, r0:r0 + n] if n > 0 else None)
+        vs.append(v[key, r0:r0 + n] if n > 0 else None)
+    return Chunk(i, i * chunk_rows, ks, vs)
+
+
 class KVCache:
     """Base: tracks the batch and the rows per sequence. Subclasses own storage."""
 
@@ -147,14 +199,6 @@ class KVCache:
             if start > self.seq_lens[s]:
                 raise KvferryError(f"sequence {s} has {self.seq_lens[s]} rows; cannot start at {start}")
         self.batch = batch
-        self._cells = None  # (N,) sequence and position index tensors of the new rows, made on first use
-
-    def _new_cells(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._cells is None:
-            b = self.batch
-            self._cells = (index_tensor([s for s, c in zip(b.seq_ids, b.counts) for _ in range(c)], self.device),
-                           index_tensor(b.positions(), self.device))
-        return self._cells
 
     def write_codes(self, layer: int, kq: torch.Tensor, vq: torch.Tensor, static: bool = False) -> None:
         """Append this pass's new rows, already encoded by `encode_kv`. `static`: kq/vq are
@@ -193,15 +237,6 @@ class KVCache:
     def _store(self, layer: int, kq: torch.Tensor, vq: torch.Tensor, static: bool = False) -> None:
         raise NotImplementedError
 
-    def _chunk_ranges(self, i: int) -> list[tuple[int, int] | None]:
-        """Per batch entry: (row0, n) of chunk i, or None."""
-        c = self.spec.chunk_rows
-        out = []
-        for end in self.batch.ends:
-            n = min(c, end - i * c)
-            out.append((i * c, n) if n > 0 else None)
-        return out
-
 
 class DeviceKVCache(KVCache):
     """The baseline: every layer's K/V resident in device memory."""
@@ -217,29 +252,17 @@ class DeviceKVCache(KVCache):
                 f"the KV cache ({spec.total_bytes / 2**30:.2f} GiB) does not fit in device memory: "
                 "lower -c/-np, use a smaller --kv-type, or keep it in host memory with -nkvo") from None
 
+    def begin(self, batch):
+        super().begin(batch)
+        self._writes = plan_writes(batch, 0, self.spec.ctx, True, self.device)  # every new row lands
+
     def _store(self, layer, kq, vq, static=False):
-        b = self.batch
-        if len(b.seq_ids) <= SLICE_COPY_MAX_SEQS:  # a plain slice copy per sequence: fewer launches
-            for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
-                o0, o1 = b.offsets[j], b.offsets[j + 1]
-                self.k[layer][s, start:end].copy_(kq[o0:o1])
-                self.v[layer][s, start:end].copy_(vq[o0:o1])
-            return
-        seq, pos = self._new_cells()
-        self.k[layer][seq, pos] = kq
-        self.v[layer][seq, pos] = vq
+        write_rows(self.k[layer], self.v[layer], self._writes, kq, vq)
 
     def window(self, layer):
-        for i in range(self.batch.num_chunks(self.spec.chunk_rows)):
-            ks, vs = [], []
-            for s, rng in zip(self.batch.seq_ids, self._chunk_ranges(i)):
-                if rng is None:
-                    ks.append(None), vs.append(None)
-                    continue
-                r0, n = rng
-                ks.append(self.k[layer][s, r0:r0 + n])
-                vs.append(self.v[layer][s, r0:r0 + n])
-            yield Chunk(i, i * self.spec.chunk_rows, ks, vs)
+        b, c = self.batch, self.spec.chunk_rows
+        for i in range(b.num_chunks(c)):
+            yield chunk_view(self.k[layer], self.v[layer], b.seq_ids, b.ends, i, c)
 
     def code_spans(self, layer):
         # every chunk of the layer lives in one tensor: one span, one kernel launch

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from kvferry import KvferryError
 from kvferry.config import KVConfig
-from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, CodeSpan, KVCache, KVSpec, index_tensor
+from kvferry.kv.cache import Batch, CodeSpan, KVCache, KVSpec, chunk_view, plan_writes, write_rows
 from kvferry.transport import hostmem
 from kvferry.transport.events import Compute
 from kvferry.transport.queues import StreamQueue, ThreadQueue
@@ -103,8 +103,9 @@ class HostKVCache(KVCache):
     without them a pageable cache makes its own. Test hooks: `_delay_s` (lo, hi) seconds, or
     {lane: (lo, hi)} with lane 0 deliveries and 1 write-backs, slows copies down; the
     `_unsafe_*` flags break one ordering each (the gates' negative controls).
-    `agree(ok) -> bool`: in a split run, every rank's vote on the ring (True only where all
-    ranks' rings fit), so that no rank runs pipelined while another declines."""
+    `agree(x)`: in a split run, the least of every rank's x: the vote on the ring (True only
+    where all ranks' rings fit), so that no rank runs pipelined while another declines, and
+    the resident chunks per layer (every rank keeps the fewest any rank can hold)."""
 
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
                  staged: StagedQueues | None = None, agree=None, _delay_s=None, _unsafe_skip_ready=False,
@@ -137,6 +138,9 @@ class HostKVCache(KVCache):
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
+        # the link's host-to-device GB/s where the caller measured it (kvferry bench's probe):
+        # the --kv-debug line then gives the bound that follows from the bytes ferried
+        self.link_gbps: float | None = None
         self.totals = dict(early=0, late=0, writeback=0, resident=0, prefetch_hit=0, prefetch_miss=0)
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB,
                  "pinned" if self.pinned else "pageable (copies through the staging buffer)", self.describe())
@@ -176,16 +180,27 @@ class HostKVCache(KVCache):
         else:  # the CPU's "device memory" is the host's
             free = hostmem.memory_bytes()[1]
         plan = resident_plan(self.spec, self.kv.device_budget_mib, free, HEADROOM_BYTES)
-        note = plan.note
-        if plan.num_chunks:
+        note, n = plan.note, plan.num_chunks
+        if n:
             try:
-                self.resident = ResidentChunks(self.spec, plan.num_chunks, self.device)
-                self.resident_chunks = plan.num_chunks
+                self.resident = ResidentChunks(self.spec, n, self.device)
             except torch.OutOfMemoryError:
-                note = (f"--kv-device-budget: no device memory for {plan.nbytes / MiB:.1f} MiB of resident "
-                        "chunks; nothing resident, every chunk is ferried")
+                note, n = (f"--kv-device-budget: no device memory for {plan.nbytes / MiB:.1f} MiB of resident "
+                           "chunks; nothing resident, every chunk is ferried"), 0
         if note:
-            log.log(plan.level if self.resident is not None else logging.WARNING, "host KV: %s", note)
+            log.log(plan.level if n else logging.WARNING, "host KV: %s", note)
+        if self._agree is not None:
+            # a split run decides placement together, as it does the ring: every rank keeps the
+            # fewest chunks any rank can hold (ranks differ in heads or layers, device and free memory)
+            least = self._agree(n)
+            if least < n:
+                log.log(plan.level, "host KV: --kv-device-budget: %d of %d chunks per layer resident, not the %d "
+                        "this rank's budget holds: another rank of the split run holds only %d, and the ranks "
+                        "keep the same count", least, plan.total_chunks, n, least)
+                self.resident = None  # its memory is free for the smaller one
+                self.resident = ResidentChunks(self.spec, least, self.device) if least else None
+                n = least
+        self.resident_chunks = n if self.resident is not None else 0
         if self.resident is not None and fill:
             self.resident.fill(self.host_k, self.host_v)
 
@@ -320,22 +335,10 @@ class HostKVCache(KVCache):
             self._issued = 0
             pf = None
         self._new = [None] * spec.num_layers
-        # per chunk: where this pass's new rows land in the slot. Per sequence they are one
-        # contiguous range (rows [a, b) of the slot at batch index j, from rows [o, o + b - a)
-        # of the pass); for a large batch, index tensors write all of them in one go.
+        # per ferried chunk: where this pass's new rows land in its slot (at their batch index)
         self._late = [None] * self._nres  # resident chunks get their rows in _store
-        for i in range(self._nres, self._nchunks):
-            ranges = []
-            for j, (start, end) in enumerate(zip(batch.starts, batch.ends)):
-                a, b = max(start, i * c), min(end, (i + 1) * c)
-                if a < b:
-                    ranges.append((j, a - i * c, b - i * c, batch.offsets[j] + a - start))
-            if len(ranges) > SLICE_COPY_MAX_SEQS:
-                dj = [j for j, a, b, o in ranges for _ in range(b - a)]
-                dr = [r for j, a, b, o in ranges for r in range(a, b)]
-                src = [o + r for j, a, b, o in ranges for r in range(b - a)]
-                ranges = tuple(index_tensor(x, self.device) for x in (dj, dr, src))
-            self._late.append(ranges or None)
+        self._late += [plan_writes(batch, i * c, (i + 1) * c, False, self.device)
+                       for i in range(self._nres, self._nchunks)]
         self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0,
                           resident=self.resident.begin(batch) if self.resident is not None else 0)
         self._t0 = time.perf_counter()
@@ -444,39 +447,17 @@ class HostKVCache(KVCache):
         self._new[layer] = None
 
     def _write_late(self, layer, i, slot):
-        late = self._late[i]
-        if late is None:
-            return
-        sk, sv = self.slot_k[slot], self.slot_v[slot]
         kq, vq = self._new[layer]
-        if isinstance(late, tuple):
-            dj, dr, src = late
-            sk[dj, dr] = kq[src]
-            sv[dj, dr] = vq[src]
-            rows = int(src.numel())
-        elif len(late) == 1 and late[0][3] == 0 and kq.shape[0] == late[0][2] - late[0][1]:
-            j, a, b, o = late[0]  # one sequence, all of the pass's rows: no source slice
-            self._sk[slot][j][a:b].copy_(kq)
-            self._sv[slot][j][a:b].copy_(vq)
-            rows = b - a
-        else:
-            for j, a, b, o in late:
-                self._sk[slot][j][a:b].copy_(kq[o:o + b - a])
-                self._sv[slot][j][a:b].copy_(vq[o:o + b - a])
-            rows = sum(b - a for j, a, b, o in late)
+        rows = write_rows(self.slot_k[slot], self.slot_v[slot], self._late[i], kq, vq)
         self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
 
     def window(self, layer):
-        c = self.spec.chunk_rows
-        if self._nres:
-            yield from self.resident.window(layer, self.batch, self._nres)
+        b, c = self.batch, self.spec.chunk_rows
+        for i in range(self._nres):  # in place, as the device-resident cache yields them
+            yield chunk_view(self.resident.k[layer], self.resident.v[layer], b.seq_ids, b.ends, i, c)
+        entries = range(len(b.ends))  # a slot holds chunk i of every batch entry, at its batch index
         for i, slot in self._slots(layer):
-            ks, vs = [], []
-            for j, end in enumerate(self.batch.ends):
-                n = min(c, end - i * c)
-                ks.append(self._sk[slot][j][:n] if n > 0 else None)
-                vs.append(self._sv[slot][j][:n] if n > 0 else None)
-            yield Chunk(i, i * c, ks, vs)
+            yield chunk_view(self.slot_k[slot], self.slot_v[slot], entries, b.ends, i, c, row0=i * c)
 
     def code_spans(self, layer):
         if self._nres:  # the resident chunks: one span, one launch, as the device cache's
@@ -496,10 +477,13 @@ class HostKVCache(KVCache):
         if self.kv.debug:
             st = self._step
             read = st["resident"] + st["early"] + st["late"]  # the KV bytes attention reads this step
-            msg = (f"kv step {self.steps}: ferried early {st['early'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} "
-                   f"KiB, write-back {st['writeback'] / 1024:.1f} KiB, resident {st['resident'] / 1024:.1f} KiB "
-                   f"({100 * st['resident'] / max(1, read):.0f}% of the KV read in place), {self.describe()}, "
-                   f"declines {1 if self.decline_reason else 0}")
+            msg = (f"kv step {self.steps}: ferried {st['early'] / 1024:.1f} KiB early, resident "
+                   f"{st['resident'] / 1024:.1f} KiB ({100 * st['resident'] / max(1, read):.0f}% of the KV read in "
+                   f"place), late {st['late'] / 1024:.1f} KiB, write-back {st['writeback'] / 1024:.1f} KiB")
+            if self.link_gbps:  # the step's bound: max(device step, ferried bytes / link)
+                msg += (f", bound max(device step, {st['early'] / self.link_gbps / 1e6:.3f} ms = ferried / "
+                        f"{self.link_gbps:.1f} GB/s)")
+            msg += f"; {self.describe()}, declines {1 if self.decline_reason else 0}"
             if self.kv.debug >= 2:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvferry.kv.cache import SLICE_COPY_MAX_SEQS, Batch, Chunk, CodeSpan, KVSpec, index_tensor
+from kvferry.kv.cache import Batch, CodeSpan, KVSpec, plan_writes, write_rows
 
 MiB = 1 << 20
 
@@ -117,31 +117,13 @@ class ResidentChunks:
     def begin(self, batch: Batch) -> int:
         """Plan this pass's writes into resident rows; returns the bytes its attention reads
         in place (every layer)."""
-        ranges = [(s, a, min(e, self.rows), o) for s, a, e, o in zip(batch.seq_ids, batch.starts, batch.ends, batch.offsets)
-                  if a < min(e, self.rows)]
-        if len(ranges) > SLICE_COPY_MAX_SEQS:  # one indexed write for the whole batch
-            seq = [s for s, a, b, o in ranges for _ in range(b - a)]
-            pos = [r for s, a, b, o in ranges for r in range(a, b)]
-            src = [o + r for s, a, b, o in ranges for r in range(b - a)]
-            ranges = tuple(index_tensor(x, self.device) for x in (seq, pos, src))
-        self._writes = ranges
+        self._writes = plan_writes(batch, 0, self.rows, True, self.device)
         rows = sum(min(e, self.rows) for e in batch.ends)
         return rows * self.spec.token_bytes * self.spec.num_layers
 
     def store(self, layer: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
         """This pass's new rows that fall in resident chunks; kq, vq (N, H, row_bytes)."""
-        w = self._writes
-        if not w:
-            return
-        k, v = self.k[layer], self.v[layer]
-        if isinstance(w, tuple):
-            seq, pos, src = w
-            k[seq, pos] = kq[src]
-            v[seq, pos] = vq[src]
-            return
-        for s, a, b, o in w:
-            k[s, a:b].copy_(kq[o:o + b - a])
-            v[s, a:b].copy_(vq[o:o + b - a])
+        write_rows(self.k[layer], self.v[layer], self._writes, kq, vq)
 
     def write_rows(self, layer: int, seq_id: int, start: int, kq: torch.Tensor, vq: torch.Tensor) -> None:
         """Host rows [start, start + N) written outside a pass: their resident part too."""
@@ -149,17 +131,6 @@ class ResidentChunks:
         if start < b:
             self.k[layer][seq_id, start:b].copy_(kq[:b - start])
             self.v[layer][seq_id, start:b].copy_(vq[:b - start])
-
-    def window(self, layer: int, batch: Batch, num_chunks: int):
-        """Chunks 0 .. num_chunks - 1 of the layer, as the device-resident cache yields them."""
-        c = self.spec.chunk_rows
-        for i in range(num_chunks):
-            ks, vs = [], []
-            for s, end in zip(batch.seq_ids, batch.ends):
-                n = min(c, end - i * c)
-                ks.append(self.k[layer][s, i * c:i * c + n] if n > 0 else None)
-                vs.append(self.v[layer][s, i * c:i * c + n] if n > 0 else None)
-            yield Chunk(i, i * c, ks, vs)
 
     def span(self, layer: int, num_chunks: int) -> CodeSpan:
         return CodeSpan(0, num_chunks, self.k[layer], self.v[layer], True)
