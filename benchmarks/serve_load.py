@@ -4,8 +4,11 @@ Each level runs `c` clients for --seconds, each sending streaming /v1/completion
 to back (--prompt-tokens random token ids when the server has no tokenizer, else a text prompt;
 --max-tokens generated with ignore_eos, so every request runs its full length). Per level:
 requests completed, errors by status, aggregate generated tokens/s, time to first token and
-inter-token latency (median and p90), and the server's RSS drift between the first and last
-quarter when --pid is given. Prints a markdown table, then one JSON line (or -o FILE.json).
+inter-token latency (median and p90), the server's RSS drift between the first and last
+quarter when --pid is given, and from the server's /metrics its decode steps alone (prefill
+chunks excluded): mean step time and the rate at which they attend KV bytes, which for a host
+KV cache is set against the link (--link-gbps, e.g. from `kvferry bench --link`). Prints a
+markdown table, then one JSON line (or -o FILE.json).
 
   kvferry serve --device cpu -np 8 -c 2048 --port 8080 &
   python benchmarks/serve_load.py --url http://127.0.0.1:8080 -c 1,4,8,16 --seconds 20
@@ -81,16 +84,30 @@ async def _level(a, concurrency: int, prompt) -> dict:
                     rec["rss"].append(next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS")))
             await asyncio.sleep(0.5)
 
+    before = await _decode_counters(a)
     t0 = time.perf_counter()
     await asyncio.gather(sample_rss(), *(client(i) for i in range(concurrency)))
     wall = time.perf_counter() - t0
+    steps, step_s, kv_bytes = (x - y for x, y in zip(await _decode_counters(a), before))
     q = len(rec["rss"]) // 4
     drift = (sum(rec["rss"][-q:]) / q) / (sum(rec["rss"][:q]) / q) - 1 if q else None
     return dict(concurrency=concurrency, seconds=round(wall, 1), requests=rec["done"], errors=rec["errors"],
                 tokens=rec["tokens"], tok_s=round(rec["tokens"] / wall, 1),
                 ttft_ms_p50=_ms(rec["ttft"], 0.5), ttft_ms_p90=_ms(rec["ttft"], 0.9),
                 itl_ms_p50=_ms(rec["itl"], 0.5), itl_ms_p90=_ms(rec["itl"], 0.9),
-                rss_drift_pct=None if drift is None else round(100 * drift, 2))
+                rss_drift_pct=None if drift is None else round(100 * drift, 2), decode_steps=int(steps),
+                step_ms=round(1000 * step_s / steps, 2) if steps else None,
+                kv_gbps=round(kv_bytes / step_s / 1e9, 2) if step_s else None,
+                pct_link=round(100 * kv_bytes / step_s / 1e9 / a.link_gbps, 1) if step_s and a.link_gbps else None)
+
+
+async def _decode_counters(a) -> tuple[float, float, float]:
+    """(decode steps, their seconds, KV bytes they attended) so far, from /metrics."""
+    async with httpx.AsyncClient(base_url=a.url, timeout=30) as c:
+        text = (await c.get("/metrics")).text
+    vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    return (vals.get("kvferry_decode_step_seconds_count", 0.0), vals.get("kvferry_decode_step_seconds_sum", 0.0),
+            vals.get("kvferry_decode_kv_bytes_total", 0.0))
 
 
 def _ms(xs, q):
@@ -108,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--pid", type=int, default=None, help="the server's pid, for its RSS drift")
+    p.add_argument("--link-gbps", type=float, default=None, help="host-to-device GB/s: report decode steps as %% of it")
     p.add_argument("-o", "--output", default=None, help="also write the JSON rows to this file")
     a = p.parse_args(argv)
     info = httpx.get(a.url + "/v1/models", headers={"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}).json()
@@ -123,7 +141,7 @@ def main(argv=None) -> int:
             return f"[{rng.random():.6f}] " + " ".join(rng.choice(words) for _ in range(a.prompt_tokens - 8))
     rows = [asyncio.run(_level(a, int(c), prompt)) for c in a.concurrency.split(",")]
     cols = ["concurrency", "requests", "errors", "tok_s", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90",
-            "rss_drift_pct"]
+            "rss_drift_pct", "decode_steps", "step_ms", "kv_gbps", "pct_link"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")

@@ -257,7 +257,8 @@ def test_health_and_metrics_are_open_without_the_key(dev):
     for name in ("kvferry_requests_running", "kvferry_requests_waiting", "kvferry_prompt_tokens_total",
                  "kvferry_generation_tokens_total", "kvferry_time_to_first_token_seconds_bucket",
                  "kvferry_request_tokens_per_second_bucket", "kvferry_kv_ferried_bytes_total",
-                 "kvferry_kv_ring_declined", "kvferry_staging_pinned_bytes"):
+                 "kvferry_kv_ring_declined", "kvferry_staging_pinned_bytes", "kvferry_decode_step_seconds_bucket",
+                 "kvferry_decode_kv_bytes_total"):
         assert name in m, name
 
 

@@ -20,6 +20,8 @@ class FakeTok:
 class FakeEngine:
     """Logits are just the token to emit next: the running count of passes for that slot."""
 
+    kv_token_bytes = 10
+
     def __init__(self, slots=2, ubatch=4, ctx=64, script=None):
         self.cfg = SimpleNamespace(num_seqs=slots, ubatch=ubatch, ctx_size=ctx)
         self.tokenizer = FakeTok()
@@ -57,6 +59,26 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps():
     # each of the long prompt's chunks is followed by a decode of the running request
     assert kinds == ["prefill2", "decode1", "prefill4", "decode1", "prefill4", "decode1", "prefill4", "decode1",
                      "prefill4", "decode2"]
+
+
+def test_decode_steps_are_timed_with_the_kv_bytes_they_attend():
+    """/metrics' decode-step histogram and KV byte counter: one observation per batched step,
+    the bytes of every decoding request's rows (prompt + tokens so far, the new one included)."""
+    steps = []
+    metrics = SimpleNamespace(decode_step=lambda sec, nbytes: steps.append((sec, nbytes)),
+                              queue=lambda *a: None, prompt_tokens=lambda n: None, generated=lambda n: None,
+                              first_token=lambda s: None, finished=lambda *a: None)
+    ticks = iter(range(1000))
+    s = Scheduler(FakeEngine(), lambda cfg: (lambda logits: logits), 4, metrics, clock=lambda: next(ticks))
+    s.submit(_params(3, max_tokens=3), lambda e: None)
+    s.submit(_params(2, max_tokens=3), lambda e: None)
+    for _ in range(6):
+        s.step()
+    # step 1 prefills the 3-token prompt (its first token) and decodes it at row 3 (4 rows);
+    # step 2 prefills the other and decodes both (5 + 3 rows; the first then has its 3 tokens);
+    # step 3 decodes the second alone (4 rows) and ends it
+    assert [b for _, b in steps] == [40, 80, 40]
+    assert all(sec == 1 for sec, _ in steps), "one clock tick before the decode, one after sampling"
 
 
 def test_one_big_chunk_would_stall_the_decodes():

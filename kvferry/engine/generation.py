@@ -80,6 +80,11 @@ class Engine:
                       num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim, kv_type=kv_type,
                       chunk_rows=quant.chunk_rows(kv_type, mc.head_dim, cfg.kv.chunk_rows))
 
+    @property
+    def kv_token_bytes(self) -> int:
+        """One token's K and V codes over all of this process's layers and heads."""
+        return self.kv_spec.token_bytes * self.kv_spec.num_layers
+
     def transport_counters(self) -> dict[str, int]:
         """Cumulative transport figures for monitoring (the server's /metrics); plain ints,
         safe to read from another thread."""

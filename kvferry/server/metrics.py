@@ -31,6 +31,11 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.rate = Histogram("kvferry_request_tokens_per_second", "a request's decode rate after its first token",
                               buckets=_RATE_BUCKETS, registry=r)
+        self.step = Histogram("kvferry_decode_step_seconds", "one batched decode step (every decoding request, "
+                              "one token each, sampled)", buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_kv = Counter("kvferry_decode_kv_bytes", "KV bytes the decode steps attended (every decoding "
+                               "request's rows, all layers): over the steps' seconds, the rate to set against the "
+                               "link for a host KV cache", registry=r)
         self._engine = None
         r.register(_TransportCollector(self))
 
@@ -50,6 +55,10 @@ class Metrics:
 
     def generated(self, n: int) -> None:
         self.gen.inc(n)
+
+    def decode_step(self, seconds: float, kv_bytes: int) -> None:
+        self.step.observe(seconds)
+        self.step_kv.inc(kv_bytes)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

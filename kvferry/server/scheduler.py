@@ -99,6 +99,7 @@ class Scheduler:
         self.engine, self.make_sampler, self.queue_limit = engine, make_sampler, queue_limit
         self.num_slots, self.ubatch = engine.cfg.num_seqs, engine.cfg.ubatch
         self.tokenizer = engine.tokenizer
+        self.kv_token_bytes = getattr(engine, "kv_token_bytes", 0)  # one token's K and V, all layers
         self.metrics = metrics or _NoMetrics()
         self.clock = clock
         self.slots: list[Job | None] = [None] * self.num_slots
@@ -213,16 +214,19 @@ class Scheduler:
             self._accept(job, job.sampler(logits))
 
     def _decode(self, jobs: list[Job]) -> None:
+        t0 = self.clock()
         try:
             logits = self.engine.decode([j.slot for j in jobs], [j.last for j in jobs], [j.pos for j in jobs])
+            tokens = [j.sampler(logits[r]) for r, j in enumerate(jobs)]  # the step ends when its tokens are known
         except Exception as e:
             log.exception("decode failed")
             for j in jobs:
                 self._fail(j, f"decode failed: {e}")
             return
-        for r, j in enumerate(jobs):
+        self.metrics.decode_step(self.clock() - t0, sum(j.pos + 1 for j in jobs) * self.kv_token_bytes)
+        for j, token in zip(jobs, tokens):
             j.pos += 1
-            self._accept(j, j.sampler(logits[r]))
+            self._accept(j, token)
 
     # -- one new token -------------------------------------------------------------------------
     def _accept(self, job: Job, token: int) -> None:
