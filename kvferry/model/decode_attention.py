@@ -67,11 +67,8 @@ class _Launch:
     Under the interpreter (CPU) this is the plain launch."""
 
     def __init__(self, kernel, device: torch.device, consts: dict, options: dict, interpreted: bool):
-        self.kernel, self.consts, self.options = kernel, consts, options
+        self.kernel, self.device, self.consts, self.options = kernel, device, consts, options
         self.interpreted = interpreted
-        if not interpreted:  # the raw current stream, as Triton's own launcher gets it
-            from triton.runtime import driver
-            self.index, self.stream = device.index, driver.active.get_current_stream
         names = list(kernel.arg_names)
         self.tail = tuple(consts[n] for n in names[len(names) - len(consts):])  # constexprs come last
         self.compiled = {}
@@ -83,7 +80,7 @@ class _Launch:
         run = self.compiled.get(key)
         if run is None:
             run = self.compiled[key] = self.kernel.warmup(*args, grid=grid, **self.consts, **self.options)
-        run[grid + (1,) * (3 - len(grid))](*args, *self.tail, stream=self.stream(self.index))
+        run[grid + (1,) * (3 - len(grid))](*args, *self.tail, stream=torch.cuda.current_stream(self.device).cuda_stream)
 
 
 def default_tiling(dtype: torch.dtype) -> Tiling:
