@@ -4,12 +4,15 @@ Owns the children (one per rank, with torchrun's environment: RANK, WORLD_SIZE, 
 LOCAL_WORLD_SIZE, MASTER_ADDR/PORT on a free loopback port), their input and output (standard
 input and stdout to rank 0 only; stderr passed through, each rank's logs already prefixed by
 the rank), and their end: the first rank that fails ends the run, the others are killed, and
-the run says one `error:` line, that rank's. Must not import torch (the parent only waits).
+the run says one `error:` line, that rank's. SIGTERM goes to rank 0, which decides how the run
+ends (a server drains and then stops the other ranks). Must not import torch (the parent only
+waits).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -70,6 +73,8 @@ def launch(cmd: list[str], n: int) -> int:
         t = threading.Thread(target=pump, args=(r, p.stderr), daemon=True)
         t.start()
         threads.append(t)
+    # without this, the default SIGTERM would end this parent alone and leave the ranks running
+    old_term = signal.signal(signal.SIGTERM, lambda *_: procs[0].poll() is None and procs[0].terminate())
     failed = None
     try:
         while any(p.poll() is None for p in procs):
@@ -83,6 +88,8 @@ def launch(cmd: list[str], n: int) -> int:
     except KeyboardInterrupt:
         _kill(procs)
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
     for p in procs:
         p.wait()
     for t in threads:

@@ -16,6 +16,7 @@ import signal
 
 from kvferry import KvferryError
 from kvferry.args import add_model_args, add_random_weights_args, engine_config, random_model
+from kvferry.launch import rank_env
 
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'kvferry[server]'"
@@ -51,6 +52,11 @@ def cmd_serve(a) -> int:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise KvferryError(f"kvferry serve needs {', '.join(missing)}: {INSTALL}")
+    rank, world = rank_env()
+    if world > 1 and rank != 0:  # a split run: rank 0 serves, this rank follows its engine calls
+        from kvferry.server.split import follow
+        follow(_load(cfg, a, shape)[0])
+        return 0
 
     import uvicorn
 
@@ -95,11 +101,15 @@ def _load(cfg, a, shape):
     """On the engine thread: the Engine and the model id clients name (--random-weights' value
     as given, for random weights)."""
     from kvferry.engine.generation import Engine, default_model_path
+    from kvferry.server.split import Leader
     if shape is not None:
-        return Engine(cfg, random_model=shape, progress=False), a.random_weights
-    path = cfg.model or default_model_path()
-    name = os.path.basename(os.path.normpath(path))
-    return Engine(cfg, progress=False), name.removesuffix(".gguf")
+        engine, name = Engine(cfg, random_model=shape, progress=False), a.random_weights
+    else:
+        path = cfg.model or default_model_path()
+        engine = Engine(cfg, progress=False)
+        name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+    rank, world = rank_env()
+    return (Leader(engine) if world > 1 and rank == 0 else engine), name
 
 
 def _make_sampler(sampling):
