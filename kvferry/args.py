@@ -166,7 +166,12 @@ def onoff(v, flag: str) -> bool:
 
 
 def _chunk(v) -> int | str:
-    return "auto" if str(v).strip().lower() == "auto" else _int(v, "--kv-chunk")
+    if str(v).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        raise KvferryError(f"--kv-chunk expects rows as an integer or auto, got '{v}'") from None
 
 
 def _int(v, flag: str) -> int:

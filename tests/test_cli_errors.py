@@ -83,6 +83,10 @@ CASES = {
     "bad device budget": (["-nkvo", "--kv-device-budget", "lots"], ["--kv-device-budget", "number or auto", "lots"]),
     "negative device budget": (["-nkvo", "--kv-device-budget", "-5"], ["--kv-device-budget", ">= 0 or auto"]),
     "device budget without -nkvo": (["--kv-device-budget", "auto"], ["--kv-device-budget", "add -nkvo"]),
+    "bad ring budget": (["-nkvo", "-kvpb", "lots"], ["-kvpb", "number or auto", "lots"]),
+    "nan ring budget": (["-nkvo", "-kvpb", "nan"], ["-kvpb", ">= 0", "or auto"]),
+    "bad chunk rows": (["--kv-chunk", "wide"], ["--kv-chunk", "integer or auto", "wide"]),
+    "zero chunk rows": (["--kv-chunk", "0"], ["--kv-chunk", ">= 1 row or auto"]),
     "host KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-nkvo"],
                                     ["KV cache needs", "12800000000000 bytes", "GiB of memory", "lower -c or -np", "-ctk"]),
     "CPU KV cache beyond memory": (["-m", "{tiny}", "-c", "100000000000", "-ctk", "f16"],
@@ -93,7 +97,8 @@ BEFORE_TORCH = {"negative token count", "unknown kv type", "bad device name", "n
                 "nan temperature", "unknown flag names the run command", "prompt and file together",
                 "empty prompt", "prompt bytes not UTF-8", "prompt file not UTF-8",
                 "prompt file holds only a newline", "prompt file is a directory", "missing prompt file",
-                "bad device budget", "negative device budget", "device budget without -nkvo"}
+                "bad device budget", "negative device budget", "device budget without -nkvo", "bad ring budget",
+                "nan ring budget", "bad chunk rows", "zero chunk rows"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
