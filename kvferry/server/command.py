@@ -16,7 +16,6 @@ import signal
 
 from kvferry import KvferryError
 from kvferry.args import add_model_args, add_random_weights_args, engine_config, random_model
-from kvferry.launch import rank_env
 
 log = logging.getLogger(__name__)
 INSTALL = "pip install 'kvferry[server]'"
@@ -52,7 +51,8 @@ def cmd_serve(a) -> int:
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise KvferryError(f"kvferry serve needs {', '.join(missing)}: {INSTALL}")
-    rank, world = rank_env()
+    from kvferry.engine.distributed import world_from_env
+    rank, world, _ = world_from_env()
     if world > 1 and rank != 0:  # a split run: rank 0 serves, this rank follows its engine calls
         from kvferry.server.split import follow
         follow(_load(cfg, a, shape)[0])
@@ -100,6 +100,7 @@ def cmd_serve(a) -> int:
 def _load(cfg, a, shape):
     """On the engine thread: the Engine and the model id clients name (--random-weights' value
     as given, for random weights)."""
+    from kvferry.engine.distributed import world_from_env
     from kvferry.engine.generation import Engine, default_model_path
     from kvferry.server.split import Leader
     if shape is not None:
@@ -108,7 +109,7 @@ def _load(cfg, a, shape):
         path = cfg.model or default_model_path()
         engine = Engine(cfg, progress=False)
         name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
-    rank, world = rank_env()
+    rank, world, _ = world_from_env()
     return (Leader(engine) if world > 1 and rank == 0 else engine), name
 
 
