@@ -55,7 +55,7 @@ def cmd_serve(a) -> int:
     rank, world, _ = world_from_env()
     if world > 1 and rank != 0:  # a split run: rank 0 serves, this rank follows its engine calls
         from kvferry.server.split import follow
-        follow(_load(cfg, a, shape)[0])
+        follow(_load(cfg, a, shape, lead=False)[0])
         return 0
 
     import uvicorn
@@ -75,7 +75,7 @@ def cmd_serve(a) -> int:
         fatal.append(message)
         server.should_exit = True
 
-    rt = Runtime(opts, lambda: _load(cfg, a, shape), _make_sampler, on_fatal)
+    rt = Runtime(opts, lambda: _load(cfg, a, shape, lead=world > 1), _make_sampler, on_fatal)
     app = create_app(rt)
 
     config = uvicorn.Config(Gate(app, a.api_key, opts.max_body_bytes), host=a.host, port=a.port,
@@ -97,10 +97,10 @@ def cmd_serve(a) -> int:
     return 0
 
 
-def _load(cfg, a, shape):
+def _load(cfg, a, shape, lead: bool):
     """On the engine thread: the Engine and the model id clients name (--random-weights' value
-    as given, for random weights)."""
-    from kvferry.engine.distributed import world_from_env
+    as given, for random weights). `lead`: rank 0 of a split run, whose engine announces its
+    calls to the other ranks."""
     from kvferry.engine.generation import Engine, default_model_path
     from kvferry.server.split import Leader
     if shape is not None:
@@ -109,8 +109,7 @@ def _load(cfg, a, shape):
         path = cfg.model or default_model_path()
         engine = Engine(cfg, progress=False)
         name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
-    rank, world, _ = world_from_env()
-    return (Leader(engine) if world > 1 and rank == 0 else engine), name
+    return (Leader(engine) if lead else engine), name
 
 
 def _make_sampler(sampling):
