@@ -76,10 +76,6 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
                    help="with -nkvo: device memory in MiB for the oldest KV chunks of every layer, read in place "
                         "and never ferried; auto = what is free after weights, ring and 1 GiB of headroom; "
                         "0 = none (default: 0)" + (" (comma list to sweep)" if sweep else ""))
-    k.add_argument("--kv-cpu-share", default="0",
-                   help="with -nkvo: the share (0 to 1) of each decode step's ferried KV chunks that CPU threads "
-                        "attend from host memory instead, beside the link; auto = measured CPU rate / (CPU rate + "
-                        "link rate); not bitwise equal to device attention (default: 0)" + (" (comma list to sweep)" if sweep else ""))
     k.add_argument("-ctk", "--kv-type", default="auto", help=f"KV type: {', '.join(KV_TYPES)} (default: the compute dtype)")
     k.add_argument("--kv-chunk", default="auto",
                    help="rows per attention/delivery chunk; bounds the ring; auto = 2 MiB of one head's K codes, "
@@ -127,29 +123,28 @@ def engine_config(a, **over) -> EngineConfig:
     """Map parsed flags (single values) onto EngineConfig; `over` replaces a flag's value
     (bench passes one arm of a sweep this way)."""
     vals = dict(nkvo=a.no_kv_offload, kvpd=a.kv_pipeline_depth, kvpb=a.kv_pipeline_budget,
-                kvdb=a.kv_device_budget, kvcs=a.kv_cpu_share, ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
+                kvdb=a.kv_device_budget, ctk=a.kv_type, chunk=a.kv_chunk, fa=a.flash_attn, cg=a.cuda_graphs)
     vals.update(over)
     offload = vals["nkvo"] if isinstance(vals["nkvo"], bool) else onoff(vals["nkvo"], "-nkvo")
     pinned = vals.get("pinned", a.kv_pinned)
     kv = KVConfig(kv_type=vals["ctk"], offload=offload, pinned=pinned, depth=_int(vals["kvpd"], "-kvpd"),
                   budget_mib=mib_or_auto(vals["kvpb"], "-kvpb"), chunk_rows=_chunk(vals["chunk"]), debug=a.kv_debug,
-                  staging_cap_mib=a.staging_cap, device_budget_mib=mib_or_auto(vals["kvdb"], "--kv-device-budget"),
-                  cpu_share=mib_or_auto(vals["kvcs"], "--kv-cpu-share", "a share from 0 to 1"))
+                  staging_cap_mib=a.staging_cap, device_budget_mib=mib_or_auto(vals["kvdb"], "--kv-device-budget"))
     return EngineConfig(model=a.model, device=a.device, dtype=a.dtype, ctx_size=a.ctx_size,
                         num_seqs=a.parallel, ubatch=a.ubatch, flash_attn=onoff(vals["fa"], "-fa"),
                         cuda_graphs=onoff(vals["cg"], "-cg"), kv=kv, split_mode=a.split_mode,
                         split_ratios=split_ratios(a.tensor_split))
 
 
-def mib_or_auto(v, flag: str, what: str = "MiB as a number") -> float | str:
-    """A budget flag: MiB (or a share: `what`) as a number, or auto."""
+def mib_or_auto(v, flag: str) -> float | str:
+    """A budget flag: MiB as a number, or auto."""
     s = str(v).strip().lower()
     if s == "auto":
         return s
     try:
         return float(s)
     except ValueError:
-        raise KvferryError(f"{flag} expects {what} or auto, got '{v}'") from None
+        raise KvferryError(f"{flag} expects MiB as a number or auto, got '{v}'") from None
 
 
 def split_ratios(v: str | None) -> tuple[float, ...]:

@@ -32,9 +32,6 @@ class KVConfig:
     # --kv-device-budget: device MiB for the oldest chunks of a host cache (read in place,
     # never ferried), or "auto" (what is free after weights, ring and headroom); 0 = none
     device_budget_mib: float | str = 0.0
-    # --kv-cpu-share: the share of a decode pass's ferried chunks that CPU threads attend from
-    # host memory instead, 0 .. 1, or "auto" (CPU rate / (CPU rate + link rate), measured)
-    cpu_share: float | str = 0.0
 
     def __post_init__(self):
         if self.kv_type != "auto" and self.kv_type not in KV_TYPES:
@@ -53,12 +50,6 @@ class KVConfig:
             raise KvferryError(f"--kv-device-budget must be MiB >= 0 or auto, got '{b}'")
         if b != 0 and not self.offload:
             raise KvferryError("--kv-device-budget keeps part of a host KV cache on the device: add -nkvo "
-                               "(without it the whole cache is on the device)")
-        c = self.cpu_share
-        if c != "auto" and (isinstance(c, str) or not 0 <= c <= 1):
-            raise KvferryError(f"--kv-cpu-share must be a share from 0 to 1 or auto, got '{c}'")
-        if c != 0 and not self.offload:
-            raise KvferryError("--kv-cpu-share lets CPU threads attend part of a host KV cache: add -nkvo "
                                "(without it the whole cache is on the device)")
         if self.staging_cap_mib < 1:
             raise KvferryError(f"--staging-cap must be >= 1 MiB, got {self.staging_cap_mib}")

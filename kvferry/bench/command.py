@@ -86,11 +86,10 @@ def make_plan(a) -> BenchPlan:
     arms = _arms(a)
     ctx = max(1, max(depths) + max(pp + tg) + 1)
     first = arms[0]
-    base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", kvdb="0", kvcs="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"], cg=first["cg"])
+    base = engine_config(a, nkvo="0", kvpd="0", kvpb="0", kvdb="0", ctk=first["ctk"], chunk=first["chunk"], fa=first["fa"], cg=first["cg"])
     cfgs = [engine_config(a, nkvo=arm["nkvo"], pinned=arm["pin"] != "0", kvpd=arm["kvpd"] if arm["kvpd"] != "-" else "0",
                           kvpb=arm["kvpb"] if arm["kvpb"] != "-" else "0",
-                          kvdb=arm["kvdb"] if arm["kvdb"] != "-" else "0",
-                          kvcs=arm["kvcs"] if arm["kvcs"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"], cg=arm["cg"])
+                          kvdb=arm["kvdb"] if arm["kvdb"] != "-" else "0", ctk=arm["ctk"], chunk=arm["chunk"], fa=arm["fa"], cg=arm["cg"])
             for arm in arms]
     base = dataclasses.replace(base, ctx_size=ctx)
     cfgs = [dataclasses.replace(c, ctx_size=ctx) for c in cfgs]
@@ -132,7 +131,6 @@ def _arms(a) -> list[dict]:
         "kvpd": [x.strip() for x in str(a.kv_pipeline_depth).split(",")],
         "kvpb": [x.strip() for x in str(a.kv_pipeline_budget).split(",")],
         "kvdb": [x.strip() for x in str(a.kv_device_budget).split(",")],
-        "kvcs": [x.strip() for x in str(a.kv_cpu_share).split(",")],
         "ctk": [x.strip() for x in str(a.kv_type).split(",")],
         "chunk": [x.strip() for x in str(a.kv_chunk).split(",")],
         "fa": [x.strip() for x in str(a.flash_attn).split(",")],
@@ -150,7 +148,7 @@ def _arms(a) -> list[dict]:
             if arm[flag] not in ("0", "1"):
                 raise KvferryError(f"-{flag} expects on/off (or 1/0), got '{arm[flag]}'")
         if arm["nkvo"] == "0":  # transport flags do not apply to a device-resident cache
-            arm["kvpd"], arm["kvpb"], arm["kvdb"], arm["kvcs"], arm["pin"] = "-", "-", "-", "-", "-"
+            arm["kvpd"], arm["kvpb"], arm["kvdb"], arm["pin"] = "-", "-", "-", "-"
         key = tuple(arm.values())
         if key not in seen:
             seen.add(key)

@@ -8,8 +8,8 @@ import os
 from kvferry import KvferryError
 
 
-COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "kvdb", "kvcs", "ctk", "chunk", "fa", "cg", "np", "test", "depth",
-           "tps", "tps_std", "step_ms", "resident_pct", "resident_mib", "cpu_pct", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
+COLUMNS = ["model", "size_gib", "params_b", "backend", "nkvo", "pin", "kvpd", "kvpb", "kvdb", "ctk", "chunk", "fa", "cg", "np", "test", "depth",
+           "tps", "tps_std", "step_ms", "resident_pct", "resident_mib", "ferried_mib", "link_gbps", "copy_ms", "compute_ms", "bound_ms", "pct_bound",
            "roofline_pct", "ring_mib", "declined", "peak_dev_mib", "pinned_mib", "same", "host_ms", "wait_ms",
            "sm", "ranks", "ferried_mib_ranks", "link_gbps_ranks"]
 
@@ -28,8 +28,8 @@ def format_rows(rows: list[dict], fmt: str) -> str:
         w.writerows(rows)
         return buf.getvalue().rstrip("\n")
     profile = any("host_ms" in r for r in rows)  # --profile
-    head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "kvdb", "kvcs", "ctk", "fa", "cg", "np", "test",
-            "t/s", "step ms", "resident %", "CPU %", "ferried MiB", "link GB/s", "copy ms", "compute ms", "bound ms", "% bound", "% roofline", "ring MiB",
+    head = ["model", "size", "params", "backend", "nkvo", "pin", "kvpd", "kvpb", "kvdb", "ctk", "fa", "cg", "np", "test", "t/s",
+            "step ms", "resident %", "ferried MiB", "link GB/s", "copy ms", "compute ms", "bound ms", "% bound", "% roofline", "ring MiB",
             "peak dev MiB", "pinned MiB", "same"] + (["host ms", "wait ms"] if profile else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---:" if h not in ("model", "backend", "test") else "---" for h in head) + "|"]
     for r in rows:
@@ -38,8 +38,8 @@ def format_rows(rows: list[dict], fmt: str) -> str:
             return "" if v is None or v == "" else str(v)
         lines.append("| " + " | ".join([
             f("model"), f"{r['size_gib']} GiB", f"{r['params_b']} B", f("backend"), f("nkvo"), f("pin"), f("kvpd"), f("kvpb"), f("kvdb"),
-            f("kvcs"), f("ctk"), f("fa"), f("cg"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
-            f("resident_pct"), f("cpu_pct"),
+            f("ctk"), f("fa"), f("cg"), f("np"), f"{r['test']} @ d{r['depth']}", f"{r['tps']:.2f} ± {r['tps_std']:.2f}", f("step_ms"),
+            f("resident_pct"),
             # a split run: each rank's bytes and link, rank 0 first (the bound uses the slowest)
             f("ferried_mib_ranks") or f("ferried_mib"), f("link_gbps_ranks") or f("link_gbps"), f("copy_ms"), f("compute_ms"), f("bound_ms"), f("pct_bound"),
             f("roofline_pct"), f("ring_mib"), f("peak_dev_mib"), f("pinned_mib"), f("same")]

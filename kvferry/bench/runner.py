@@ -50,8 +50,8 @@ class Bench:
         if c is None:
             c = self.eng.make_cache(cfg)
             self.caches[key] = c
-        elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib, c.kv.device_budget_mib, c.kv.cpu_share) != (
-                cfg.kv.depth, cfg.kv.budget_mib, cfg.kv.device_budget_mib, cfg.kv.cpu_share):
+        elif cfg.kv.offload and (c.kv.depth, c.kv.budget_mib, c.kv.device_budget_mib) != (
+                cfg.kv.depth, cfg.kv.budget_mib, cfg.kv.device_budget_mib):
             c.set_transport(cfg.kv)
         return c
 
@@ -167,9 +167,8 @@ class Bench:
                             after = getattr(cache, "totals", {})
                             stats[i] = dict(early=after.get("early", 0) - before.get("early", 0),
                                             read=sum(after.get(k, 0) - before.get(k, 0)
-                                                     for k in ("early", "late", "resident", "cpu")),
+                                                     for k in ("early", "late", "resident")),
                                             resident=after.get("resident", 0) - before.get("resident", 0),
-                                            cpu=after.get("cpu", 0) - before.get("cpu", 0),
                                             peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0)
                 rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host)
         bar.close()
@@ -228,9 +227,7 @@ class Bench:
             # place on the device; only the rest was ferried (ferried_mib), and the bound uses that
             row.update(resident_pct=round(100 * stats[i]["resident"] / stats[i]["read"], 1)
                        if host and stats[i]["read"] else (100.0 if not host else 0.0),
-                       resident_mib=round(cache.resident.nbytes / MiB, 2) if host and cache.resident is not None else 0,
-                       # --kv-cpu-share: the share of the KV that CPU threads attended from host memory
-                       cpu_pct=round(100 * stats[i]["cpu"] / stats[i]["read"], 1) if host and stats[i]["read"] else 0.0)
+                       resident_mib=round(cache.resident.nbytes / MiB, 2) if host and cache.resident is not None else 0)
             row.update(ring_mib=round(cache.ring_bytes / MiB, 2) if host else 0,
                        declined=(cache.decline_reason or "") if host else "",
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),

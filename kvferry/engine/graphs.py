@@ -68,7 +68,7 @@ class DecodeGraphs:
         model = self.model
         ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
         self.inp.copy_(torch.tensor([ids, batch.positions()], dtype=torch.long).pin_memory(), non_blocking=True)
-        cache.begin(batch, model.uses_decode_kernel(batch))
+        cache.begin(batch)
         try:
             att = model.attention_pass(batch, cache)
             self.graphs[0].replay()

@@ -190,9 +190,7 @@ class KVCache:
         self.seq_lens = [0] * spec.num_seqs  # rows committed per sequence
 
     # -- the model-facing interface --------------------------------------------------
-    def begin(self, batch: Batch, cpu_attention: bool = False) -> None:
-        """Start a pass. `cpu_attention`: a decode pass whose attention takes partials from
-        `host_attention` (a host cache may then leave some chunks to CPU threads)."""
+    def begin(self, batch: Batch) -> None:
         for s, start, end in zip(batch.seq_ids, batch.starts, batch.ends):
             if not 0 <= s < self.spec.num_seqs:
                 raise KvferryError(f"sequence id {s} is outside the cache's {self.spec.num_seqs} sequences")
@@ -213,13 +211,6 @@ class KVCache:
     def code_spans(self, layer: int) -> Iterator[CodeSpan]:
         """The same rows as `window`, as whole code tensors (decode kernels; see CodeSpan)."""
         raise NotImplementedError
-
-    def host_attention(self, layer: int, q, kernel):
-        """The part of the layer's attention that runs beside the device's (CPU threads over
-        host memory, --kv-cpu-share): None, or a pending result whose `finish()` puts its
-        partials into the decode kernel's buffers for chunks .. `chunk_end` - 1 (see
-        transport/host_attention.py). Called before code_spans, so the CPU starts first."""
-        return None
 
     def end(self) -> None:
         for s, e in zip(self.batch.seq_ids, self.batch.ends):
@@ -261,7 +252,7 @@ class DeviceKVCache(KVCache):
                 f"the KV cache ({spec.total_bytes / 2**30:.2f} GiB) does not fit in device memory: "
                 "lower -c/-np, use a smaller --kv-type, or keep it in host memory with -nkvo") from None
 
-    def begin(self, batch, cpu_attention=False):
+    def begin(self, batch):
         super().begin(batch)
         self._writes = plan_writes(batch, 0, self.spec.ctx, True, self.device)  # every new row lands
 

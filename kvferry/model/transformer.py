@@ -84,7 +84,7 @@ class Transformer:
         one = len(batch.seq_ids) == 1  # one sequence: positions are one run, no index tensors
         positions = slice(batch.starts[0], batch.ends[0]) if one else index_tensor(batch.positions(), self.device)
         cos, sin = self.rope.tables(positions, max(batch.ends) - 1, self.dtype)
-        cache.begin(batch, self.uses_decode_kernel(batch))  # the first deliveries go out before any compute is enqueued
+        cache.begin(batch)  # the first deliveries go out before any compute is enqueued
         try:
             # (N, hidden); a layer split's later ranks take it from the rank before
             x = F.embedding(tokens, w["embed"]) if self.comm is None else self.comm.start(tokens, w["embed"])
@@ -134,7 +134,7 @@ class Transformer:
         """What every layer's attention of one pass shares, made once per pass: for a decode
         pass on the split-KV kernel, the kernel object for this shape and the batch's index
         tensors on the device."""
-        if not self.uses_decode_kernel(batch):
+        if not (self.decode_kernel and batch.num_tokens == len(batch.seq_ids)):
             return AttentionPass(batch, cache)
         spec = cache.spec
         cap = min(spec.chunk_rows, spec.ctx)
@@ -146,10 +146,6 @@ class Transformer:
                 len(batch.seq_ids), self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
                 -(-spec.ctx // cap), self.dtype, self.device, scale=self.scale)
         return AttentionPass(batch, cache, kernel, *kernel.index_tensors(batch.seq_ids, batch.ends))
-
-    def uses_decode_kernel(self, batch: Batch) -> bool:
-        """A decode pass (one token per sequence) attends through the split-KV kernel."""
-        return self.decode_kernel and batch.num_tokens == len(batch.seq_ids)
 
     def attend(self, layer: int, q, att: "AttentionPass", out: torch.Tensor | None = None):
         """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window, written into
@@ -187,14 +183,10 @@ class Transformer:
         """Decode: the split-KV kernel over the cache's code spans, then its merge -> (B, Hq * D).
         The split plan depends on shapes only, so every placement gets the same bits."""
         kernel, n = att.kernel, 0
-        host = att.cache.host_attention(layer, q, kernel)  # CPU threads start on their chunks first
         for span in att.cache.code_spans(layer):
             kernel.partials(q, span.k, span.v, att.seq_ids if span.by_seq else kernel.slot_index, att.ends,
                             chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
             n = span.chunk0 + span.num_chunks
-        if host is not None:  # their partials join the kernel's before the merge
-            host.finish()
-            n = max(n, host.chunk_end)
         return kernel.merge(n, out)
 
     def _chunk_attention(self, q, k, v, row0, start, count):

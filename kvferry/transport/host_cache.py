@@ -30,10 +30,6 @@ Partial residency (--kv-device-budget, transport/residency.py): chunks 0 .. R-1 
 layer also live on the device and are read in place; units are then only the ferried chunks
 R .. n-1 of each layer (unit u is layer u // n_ferried, chunk R + u % n_ferried), and all of
 the above counts those units. Every new row is still written back: host memory stays whole.
-
-CPU share (--kv-cpu-share, transport/host_attention.py): in a decode pass, chunks R .. R+P-1
-after the resident ones are attended by CPU threads from host memory, and units are the
-chunks R+P .. n-1 that are left; `first` is the first ferried chunk.
 """
 
 from __future__ import annotations
@@ -51,7 +47,6 @@ from kvferry.config import KVConfig
 from kvferry.kv.cache import Batch, CodeSpan, KVCache, KVSpec, chunk_view, plan_writes, write_rows
 from kvferry.transport import hostmem
 from kvferry.transport.events import Compute
-from kvferry.transport.host_attention import HostAttention, cpu_chunks
 from kvferry.transport.queues import StreamQueue, ThreadQueue
 from kvferry.transport.residency import ResidentChunks, resident_plan
 from kvferry.transport.staging import StagedQueues
@@ -140,15 +135,13 @@ class HostKVCache(KVCache):
         self.compute = Compute(device)
         self._build_ring()
         self._build_residency(fill=False)  # the host cache is all zeros, and so are new device rows
-        self.host_attn, self.cpu_share = None, 0.0
-        self._build_cpu_share()
         self._unit = 0  # global unit counter: slot = unit % num_slots
         self._pf = None  # the next pass's first units, issued at the end of this pass (see end())
         self.steps = 0
         # the link's host-to-device GB/s where the caller measured it (kvferry bench's probe):
         # the --kv-debug line then gives the bound that follows from the bytes ferried
         self.link_gbps: float | None = None
-        self.totals = dict(early=0, late=0, writeback=0, resident=0, cpu=0, prefetch_hit=0, prefetch_miss=0)
+        self.totals = dict(early=0, late=0, writeback=0, resident=0, prefetch_hit=0, prefetch_miss=0)
         log.info("host KV: %.1f MiB %s; %s", spec.total_bytes / MiB,
                  "pinned" if self.pinned else "pageable (copies through the staging buffer)", self.describe())
 
@@ -211,58 +204,6 @@ class HostKVCache(KVCache):
         if self.resident is not None and fill:
             self.resident.fill(self.host_k, self.host_v)
 
-    def _build_cpu_share(self) -> None:
-        """--kv-cpu-share: the share of the ferried chunks CPU threads attend instead (auto: the
-        CPU's attention rate over the CPU's and the link's, measured here, at the same time)."""
-        want = self.kv.cpu_share
-        if want == 0:
-            if self.host_attn is not None:
-                self.host_attn.close()
-            self.host_attn, self.cpu_share = None, 0.0
-            return
-        if self.host_attn is None:
-            self.host_attn = HostAttention(self.spec, self.host_k, self.host_v, self.device)
-        if want == "auto":
-            cpu, link = self.host_attn.probe_rates(self.deliver_probe)
-            self.cpu_share = cpu / (cpu + link)
-            log.info("host KV: CPU attention %.1f GB/s beside the link's %.1f GB/s (%d threads): --kv-cpu-share "
-                     "auto = %.2f", cpu, link, self.host_attn.threads, self.cpu_share)
-        else:
-            self.cpu_share = float(want)
-
-    def deliver_probe(self, seconds: float) -> float:
-        """GB/s of host-to-device copies like the ring's, for `seconds` (the auto CPU share)."""
-        src = self.host_k[0].view(-1)[: min(self.host_k[0].numel(), 64 * MiB)]
-        dst = torch.empty(src.shape, dtype=torch.uint8, device=self.device)
-        t0, n = time.perf_counter(), 0
-        while time.perf_counter() - t0 < seconds:
-            self.deliver.submit([(dst, src)])  # through the ring's own lane (staged where pageable)
-            self.deliver.fence()
-            n += src.numel()
-        return n / (time.perf_counter() - t0) / 1e9
-
-    def _plan_cpu(self, batch, nchunks: int) -> int:
-        """CPU chunks of a decode pass: the share of those after the resident ones, rounded,
-        as far as they are stable (host_attention.cpu_chunks)."""
-        nres = min(self.resident_chunks, nchunks)
-        want = round(self.cpu_share * (nchunks - nres))
-        return cpu_chunks(batch, nres, nchunks, self.spec.chunk_rows, want) if want else 0
-
-    def host_attention(self, layer, q, kernel):
-        if not self._ncpu:
-            return None
-        wb = self.wb_done[(self.steps - 1) % 2] if self.steps else None
-        gen = wb.armed if wb is not None else 0
-
-        def stable():  # the rows the CPU reads were written back by the passes before this one
-            if wb is not None:
-                wb.wait_host(gen)
-                if wb.cuda is not None:
-                    wb.cuda.synchronize()
-        pending = self.host_attn.start(layer, q, self.batch, self._nres, self._ncpu, kernel, stable)
-        self._step["cpu"] += pending.nbytes
-        return pending
-
     def set_transport(self, kv: KVConfig) -> None:
         """Switch delivery mode/depth/budget/residency, keeping the host cache (pinning it
         again is slow; it holds every row, so the resident chunks are refilled from it)."""
@@ -273,7 +214,6 @@ class HostKVCache(KVCache):
         self.resident = None  # its memory is free for the new ring and plan
         self._build_ring()
         self._build_residency(fill=True)
-        self._build_cpu_share()
         self._unit = 0
         self._pf = None
         log.info("host KV transport: %s", self.describe())
@@ -374,21 +314,16 @@ class HostKVCache(KVCache):
         return out
 
     # -- per pass ------------------------------------------------------------------------
-    def begin(self, batch, cpu_attention=False):
+    def begin(self, batch):
         super().begin(batch)
         spec, c = self.spec, self.spec.chunk_rows
         self._nchunks = batch.num_chunks(c)
-        # chunks 0 .. nres - 1 are read in place on the device, the next ncpu by CPU threads
-        # (a decode pass whose attention can take them); units are the ferried rest
+        # chunks 0 .. nres - 1 are read in place on the device; units are the ferried rest
         self._nres = min(self.resident_chunks, self._nchunks)
-        self._cpu_on = cpu_attention and self.host_attn is not None
-        self._ncpu = self._plan_cpu(batch, self._nchunks) if self._cpu_on else 0
-        self._first = self._nres + self._ncpu
-        self._nfer = self._nchunks - self._first
+        self._nfer = self._nchunks - self._nres
         self._units = spec.num_layers * self._nfer
         pf, self._pf = self._pf, None
-        if pf is not None and (pf["key"] == self._pass_key(batch, self._nchunks, self._ncpu)
-                               or self._unsafe_trust_prefetch):
+        if pf is not None and (pf["key"] == self._pass_key(batch, self._nchunks) or self._unsafe_trust_prefetch):
             # the end of the previous pass guessed this pass: its first units are on the way
             self._unit0, self._issued = pf["unit0"], pf["issued"]
             self.totals["prefetch_hit"] += 1
@@ -404,7 +339,7 @@ class HostKVCache(KVCache):
         self._late = [None] * self._nres  # resident chunks get their rows in _store
         self._late += [plan_writes(batch, i * c, (i + 1) * c, False, self.device)
                        for i in range(self._nres, self._nchunks)]
-        self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0, cpu=0,
+        self._step = dict(early=pf["bytes"] if pf else 0, late=0, writeback=0,
                           resident=self.resident.begin(batch) if self.resident is not None else 0)
         self._t0 = time.perf_counter()
         for q in self.lanes:
@@ -418,15 +353,14 @@ class HostKVCache(KVCache):
             self.compute.wait(self.wb_done[(self.steps - 1) % 2])
 
     def _issue_next(self):
-        self._step["early"] += self._issue(self.batch, self._nfer, self._first, self._unit0, self._issued)
+        self._step["early"] += self._issue(self.batch, self._nfer, self._unit0, self._issued)
         self._issued += 1
 
-    def _issue(self, batch, nfer: int, first: int, unit0: int, u: int) -> int:
-        """Deliver unit u (layer, ferried chunk) of a pass with nfer ferried chunks per layer
-        from chunk `first` on: each sequence's stable rows of that chunk into the unit's slot.
-        Returns the bytes sent."""
+    def _issue(self, batch, nfer: int, unit0: int, u: int) -> int:
+        """Deliver unit u (layer, ferried chunk) of a pass with nfer ferried chunks per layer:
+        each sequence's stable rows of that chunk into the unit's slot. Returns the bytes sent."""
         layer, i = divmod(u, nfer)
-        i += first  # the ferried chunks follow the resident ones and the CPU's
+        i += self.resident_chunks  # the ferried chunks follow the resident ones
         slot = (unit0 + u) % self.num_slots
         c = self.spec.chunk_rows
         jobs, sent = [], 0
@@ -445,9 +379,9 @@ class HostKVCache(KVCache):
         return sent
 
     @staticmethod
-    def _pass_key(batch, nchunks: int, ncpu: int):
+    def _pass_key(batch, nchunks: int):
         # which rows a pass's units deliver depends only on these (not on the new-token counts)
-        return tuple(batch.seq_ids), tuple(batch.starts), nchunks, ncpu
+        return tuple(batch.seq_ids), tuple(batch.starts), nchunks
 
     def _prefetch_next(self, batch) -> None:
         """Guess the next pass (the same sequences, one token each, starting where this one
@@ -460,12 +394,10 @@ class HostKVCache(KVCache):
         if max(nxt.ends) > self.spec.ctx:
             return
         nchunks = nxt.num_chunks(self.spec.chunk_rows)
-        ncpu = self._plan_cpu(nxt, nchunks) if self._cpu_on else 0  # the next pass is a decode pass too
-        first = min(self.resident_chunks, nchunks) + ncpu
-        nfer = max(0, nchunks - first)
+        nfer = max(0, nchunks - self.resident_chunks)
         n = min(self.depth, self.spec.num_layers * nfer)
-        sent = sum(self._issue(nxt, nfer, first, self._unit, u) for u in range(n))
-        self._pf = dict(key=self._pass_key(nxt, nchunks, ncpu), unit0=self._unit, issued=n, bytes=sent)
+        sent = sum(self._issue(nxt, nfer, self._unit, u) for u in range(n))
+        self._pf = dict(key=self._pass_key(nxt, nchunks), unit0=self._unit, issued=n, bytes=sent)
 
     def _drop_prefetch(self) -> None:
         if self._pf is not None:
@@ -502,7 +434,7 @@ class HostKVCache(KVCache):
         delivery waited for, this pass's rows written into it); the slot's release is
         recorded when the caller resumes, after it has enqueued every read of the slot."""
         for k in range(self._nfer):
-            u, i = layer * self._nfer + k, self._first + k
+            u, i = layer * self._nfer + k, self._nres + k
             # unit u + depth goes out now, after unit u - 1's compute was enqueued
             while self._issued <= min(u + self.depth, self._units - 1):
                 self._issue_next()
@@ -521,7 +453,6 @@ class HostKVCache(KVCache):
 
     def window(self, layer):
         b, c = self.batch, self.spec.chunk_rows
-        assert not self._ncpu, "a pass with CPU chunks is attended through code_spans and host_attention"
         for i in range(self._nres):  # in place, as the device-resident cache yields them
             yield chunk_view(self.resident.k[layer], self.resident.v[layer], b.seq_ids, b.ends, i, c)
         entries = range(len(b.ends))  # a slot holds chunk i of every batch entry, at its batch index
@@ -531,7 +462,6 @@ class HostKVCache(KVCache):
     def code_spans(self, layer):
         if self._nres:  # the resident chunks: one span, one launch, as the device cache's
             yield self.resident.span(layer, self._nres)
-        # (chunks nres .. first - 1 are the CPU's: host_attention)
         for i, slot in self._slots(layer):  # a slot holds chunk i of every batch entry
             yield CodeSpan(i, 1, self.slot_k[slot], self.slot_v[slot], False)
 
@@ -546,11 +476,10 @@ class HostKVCache(KVCache):
             self.totals[k] += v
         if self.kv.debug:
             st = self._step
-            read = st["resident"] + st["early"] + st["late"] + st["cpu"]  # the KV bytes attention reads this step
+            read = st["resident"] + st["early"] + st["late"]  # the KV bytes attention reads this step
             msg = (f"kv step {self.steps}: ferried {st['early'] / 1024:.1f} KiB early, resident "
                    f"{st['resident'] / 1024:.1f} KiB ({100 * st['resident'] / max(1, read):.0f}% of the KV read in "
-                   f"place), CPU {st['cpu'] / 1024:.1f} KiB, late {st['late'] / 1024:.1f} KiB, write-back "
-                   f"{st['writeback'] / 1024:.1f} KiB")
+                   f"place), late {st['late'] / 1024:.1f} KiB, write-back {st['writeback'] / 1024:.1f} KiB")
             if self.link_gbps:  # the step's bound: max(device step, ferried bytes / link)
                 msg += (f", bound max(device step, {st['early'] / self.link_gbps / 1e6:.3f} ms = ferried / "
                         f"{self.link_gbps:.1f} GB/s)")
@@ -589,8 +518,6 @@ class HostKVCache(KVCache):
 
     def close(self):
         self.fence()
-        if self.host_attn is not None:
-            self.host_attn.close()
         if self.pinned:
             for q in self.lanes:
                 q.close()
@@ -606,5 +533,4 @@ class HostKVCache(KVCache):
                     prefetch_hits=self.totals["prefetch_hit"], prefetch_misses=self.totals["prefetch_miss"],
                     resident_chunks=self.resident_chunks,
                     resident_mib=round(self.resident.nbytes / MiB, 2) if self.resident is not None else 0.0,
-                    resident_read_mib=round(self.totals["resident"] / MiB, 2), cpu_share=round(self.cpu_share, 3),
-                    cpu_read_mib=round(self.totals["cpu"] / MiB, 2))
+                    resident_read_mib=round(self.totals["resident"] / MiB, 2))
