@@ -2,10 +2,12 @@
 the residual add + RMS norm, RoPE and SiLU(gate) * up, then a small model with the kernels
 against the same model on eager ops.
 
-What is bitwise: the residual sum x + a and RoPE, in every dtype. What is close: the norm (the
-sum of squares is reduced in another order than the library's), within one unit in the last
-place of the output dtype, and SiLU(gate) * up (another exp: silu's one unit, carried through
-the product's rounding), within two.
+What is bitwise: the residual sum x + a and RoPE, in every dtype (float32 RoPE too: the eager
+addcmul is one fused multiply-add, on CPU and in CUDA's compiled kernel, and so is the
+kernel's). What is close: the norm (the sum of squares is reduced in another order than the
+library's), within one unit in the last place of a 16-bit output, and SiLU(gate) * up
+(another exp: silu's one unit, carried through the product's rounding), within two; float32
+outputs within a few units.
 
 Without CUDA the kernels run under Triton's CPU interpreter; with CUDA, compiled, against the
 eager ops on the same GPU."""
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.skipif((why := load("kvferry.model.fused_kernels")) is 
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # one unit in the last place, relative: 2^-7 (bf16), 2^-10 (f16); float32 allows a few units
-ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -21}
+# (2^-20: the norm's 1 / sqrt and the library's rsqrt are each a few units off on CUDA)
+ULP = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10, torch.float32: 2.0 ** -20}
 
 
 def _fk():
@@ -142,7 +145,9 @@ def test_silu_mul_matches_the_eager_op(dtype, width, rows):
     gate, up = gu.chunk(2, dim=-1)
     out = _fk().silu_mul(gu)
     assert out.shape == (rows, width) and out.is_contiguous()
-    _assert_within_ulp(out, F.silu(gate) * up, units=2)  # silu's one unit, carried through the product
+    # 16-bit: silu's one unit, carried through the product. float32: Triton's exp on CUDA is an
+    # exp2 approximation whose relative error grows with |gate| (about |gate| * 2^-24)
+    _assert_within_ulp(out, F.silu(gate) * up, units=8 if dtype == torch.float32 else 2)
 
 
 def test_swapped_gate_and_up_are_caught():

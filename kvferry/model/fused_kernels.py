@@ -18,12 +18,12 @@ once per op:
   product is exact in float32, so fused or not gives the same bits; for float32 the eager
   op fuses it too);
 - rms_norm is x * rsqrt(mean(x^2) + eps) * w in float32, rounded once, as F.rms_norm; the
-  sum of squares is reduced in another order than the library's, so it is close (within
-  one unit in the last place of the output), not bitwise;
+  sum of squares is reduced in another order than the library's, so it is close (16-bit
+  outputs within one unit in the last place, float32 within a few), not bitwise;
 - silu_mul rounds silu(gate) to the compute dtype, then the product, as F.silu(gate) * up;
   exp is the backend's (Triton's fast exp on CUDA, numpy's in the interpreter), so silu's
-  float32 value differs in its last bits: outputs are within two units in the last place
-  (16-bit ones are mostly equal).
+  float32 value differs in its last bits: 16-bit outputs are within two units in the last
+  place (and mostly equal), float32 ones within a few (tests/test_fused_kernels.py).
 
 Imported lazily (transformer.py on CUDA, tests under the interpreter): Triton decides when a
 kernel is decorated whether it is compiled or run by its CPU interpreter (TRITON_INTERPRET=1).
