@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.kv import quant
+from kvferry.model.launch import Launch
 
 SPLIT_ROWS = 256  # rows per split: a tuning constant, see the sweep in the GPU script
 BLOCK_N = 64  # rows per inner tile of a split
@@ -53,34 +54,6 @@ class Tiling:
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         if self.split_rows < self.block_n or self.split_rows % self.block_n:
             raise ValueError(f"split_rows ({self.split_rows}) must be a multiple of block_n ({self.block_n})")
-
-
-class _Launch:
-    """kernel[grid](...) without Triton's per-call argument binding, on CUDA.
-
-    Why by hand: Triton's launcher binds and specializes every argument on every call, 34 us
-    of host time per partials launch and 15 us per merge on an H200 host (2026-12-06), while
-    the decode step launches both per layer (per chunk, for the ring): at 4k the step is
-    bound by that host time. The compiled variant Triton would pick depends only on which
-    pointer arguments are 16-byte aligned (the integers that vary are not specialized, see
-    decode_kernels), so that is the cache key; a new key compiles through Triton's warmup.
-    Under the interpreter (CPU) this is the plain launch."""
-
-    def __init__(self, kernel, device: torch.device, consts: dict, options: dict, interpreted: bool):
-        self.kernel, self.device, self.consts, self.options = kernel, device, consts, options
-        self.interpreted = interpreted
-        names = list(kernel.arg_names)
-        self.tail = tuple(consts[n] for n in names[len(names) - len(consts):])  # constexprs come last
-        self.compiled = {}
-
-    def __call__(self, grid, *args):
-        if self.interpreted:
-            return self.kernel[grid](*args, **self.consts, **self.options)
-        key = tuple(a.data_ptr() % 16 == 0 for a in args if isinstance(a, torch.Tensor))
-        run = self.compiled.get(key)
-        if run is None:
-            run = self.compiled[key] = self.kernel.warmup(*args, grid=grid, **self.consts, **self.options)
-        run[grid + (1,) * (3 - len(grid))](*args, *self.tail, stream=torch.cuda.current_stream(self.device).cuda_stream)
 
 
 def default_tiling(dtype: torch.dtype) -> Tiling:
@@ -150,7 +123,7 @@ class DecodeAttention:
         self.lse_part = torch.empty(bh, self.max_parts, group, dtype=torch.float32, device=device)
         self.out = torch.empty(num_seqs, num_kv_heads * group * head_dim, dtype=dtype, device=device)
         self.slot_index = torch.arange(num_seqs, dtype=torch.int32, device=device)  # ring slot b holds batch entry b
-        self._partials = _Launch(kernels.partials_kernel, device, dict(
+        self._partials = Launch(kernels.partials_kernel, device, dict(
             HKV=num_kv_heads, G=group, GP=max(16, 1 << (group - 1).bit_length()), D=head_dim,
             KV=kernels.KV_CODES[kv_type], ROW_BYTES=self.row_bytes, ALIGN=self.align, CHUNK=chunk_cap,
             SPLIT_ROWS=tiling.split_rows, NUM_SPLITS=self.num_splits, MAX_PARTS=self.max_parts,
@@ -158,7 +131,7 @@ class DecodeAttention:
             dict(num_warps=tiling.num_warps, num_stages=tiling.num_stages), kernels.INTERPRETED)
         block_d = min(MERGE_DIMS, head_dim)
         self._merge_grid = (num_seqs * num_kv_heads * group, head_dim // block_d)
-        self._merge = _Launch(kernels.merge_kernel, device, dict(
+        self._merge = Launch(kernels.merge_kernel, device, dict(
             G=group, D=head_dim, MAX_PARTS=self.max_parts, BLOCK_P=MERGE_BLOCK, BLOCK_D=block_d),
             dict(num_warps=4), kernels.INTERPRETED)
         self._qk_scale = self.scale * math.log2(math.e)

@@ -7,7 +7,9 @@ per layer by log-sum-exp, in the same order for every placement, so output bits 
 depend on where the cache lives. Eager PyTorch pays per launched op, so the hot path
 keeps the op count low: fused q/k/v and gate/up projections, one RoPE call for q and k
 together, and per unmasked chunk one fused attention kernel (flash attention from the
-library) instead of a dozen small ops.
+library) instead of a dozen small ops. On CUDA the elementwise steps around them run as
+Triton kernels (model/fused_kernels.py): the residual add with the norm after it, RoPE and
+SiLU(gate) * up, one kernel each; CPU, the CI oracle, keeps the eager ops.
 
 In a split run `cfg` is this rank's share (model/shard.py) and `comm` the engine's
 collectives: `comm.reduce` sums the partial outputs of attention and of the MLP over the
@@ -17,6 +19,7 @@ rank and pass them on, and share the logits (layer split).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,17 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     # one fused kernel where the library has one: accumulates in float32 and rounds once
     # (the reference rounds the normalized value, then again after the weight)
     return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def fused_kernels(device: torch.device):
+    """The Triton kernels of model/fused_kernels.py on CUDA where Triton imports, else None
+    (the eager ops then run: CPU keeps them exactly)."""
+    if device.type != "cuda":
+        return None
+    try:
+        return importlib.import_module("kvferry.model.fused_kernels")
+    except ImportError:
+        return None
 
 
 def _fuse(weights: dict, cfg: ModelConfig) -> None:
@@ -61,6 +75,7 @@ class Transformer:
         self.num_kv_local = cfg.num_kv_heads
         self.num_q_local = cfg.num_heads
         self.scale = cfg.head_dim ** -0.5
+        self.kernels = fused_kernels(device)  # the fused elementwise kernels, or None: eager ops
         self.set_flash_attn(flash_attn)
 
     def set_flash_attn(self, on: bool) -> None:
@@ -104,30 +119,48 @@ class Transformer:
         q (N, Hq, D), K and V codes (N, Hkv, row_bytes)."""
         cfg, w, d = self.cfg, self.w, self.cfg.head_dim
         p = f"layers.{layer}."
-        h = rms_norm(x, w[p + "attn_norm"], cfg.rms_eps)
+        h = self._norm(x, w[p + "attn_norm"])
         n, hq, hkv = h.shape[0], self.num_q_local, self.num_kv_local
         qkv = F.linear(h, w[p + "wqkv"], w.get(p + "bqkv")).view(n, hq + 2 * hkv, d)
         v = qkv[:, hq + hkv:]  # (N, Hkv, D)
-        if cfg.spec.qk_norm:
-            q = apply_rope(rms_norm(qkv[:, :hq], w[p + "q_norm"], cfg.rms_eps), cos, sin)
-            k = apply_rope(rms_norm(qkv[:, hq:hq + hkv], w[p + "k_norm"], cfg.rms_eps), cos, sin)
+        if cfg.spec.qk_norm:  # per-head norms of q and k before RoPE: the eager norm of strided heads
+            q = self._rope(rms_norm(qkv[:, :hq], w[p + "q_norm"], cfg.rms_eps), cos, sin)
+            k = self._rope(rms_norm(qkv[:, hq:hq + hkv], w[p + "k_norm"], cfg.rms_eps), cos, sin)
         else:
-            qk = apply_rope(qkv[:, :hq + hkv], cos, sin)  # q and k in one pass
+            qk = self._rope(qkv[:, :hq + hkv], cos, sin)  # q and k in one pass
             q, k = qk[:, :hq], qk[:, hq:]
         return (q,) + encode_kv(k, v, kv_type)
 
     def post(self, layer: int, x, attn):
         """output projection, residual, MLP norm, MLP, residual."""
-        p = f"layers.{layer}."
+        p, k = f"layers.{layer}.", self.kernels
         a = F.linear(attn, self.w[p + "wo"])
-        x = x + (a if self.reduce is None else self.reduce(a))  # a tensor split's ranks add their heads' parts
-        h = rms_norm(x, self.w[p + "ffn_norm"], self.cfg.rms_eps)
-        gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
-        m = F.linear(F.silu(gate) * up, self.w[p + "w_down"])
+        if self.reduce is not None:
+            a = self.reduce(a)  # a tensor split's ranks add their heads' parts
+        if k is None:
+            x = x + a
+            h = rms_norm(x, self.w[p + "ffn_norm"], self.cfg.rms_eps)
+            gate, up = F.linear(h, self.w[p + "w_gu"]).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            x, h = k.add_rms_norm(x, a, self.w[p + "ffn_norm"], self.cfg.rms_eps)
+            act = k.silu_mul(F.linear(h, self.w[p + "w_gu"]))
+        m = F.linear(act, self.w[p + "w_down"])
+        # kept a separate add: the next layer's pre (or the head) takes the sum, which keeps
+        # the pre/post segments of engine/graphs.py and the split's reduce as they are
         return x + (m if self.reduce is None else self.reduce(m))
 
     def head(self, x):
-        return F.linear(rms_norm(x, self.w["norm"], self.cfg.rms_eps), self.lm_head).float()
+        return F.linear(self._norm(x, self.w["norm"]), self.lm_head).float()
+
+    def _norm(self, x, w):
+        """rms_norm of whole rows (hidden states): the fused kernel where there is one."""
+        if self.kernels is None:
+            return rms_norm(x, w, self.cfg.rms_eps)
+        return self.kernels.rms_norm(x, w, self.cfg.rms_eps)
+
+    def _rope(self, x, cos, sin):
+        return apply_rope(x, cos, sin) if self.kernels is None else self.kernels.rope(x, cos, sin)
 
     # -- attention over the cache (eager: its shapes change every step) ----------------------
     def attention_pass(self, batch: Batch, cache: KVCache) -> "AttentionPass":
