@@ -109,6 +109,9 @@ def _load(cfg, a, shape, lead: bool):
         path = cfg.model or default_model_path()
         engine = Engine(cfg, progress=False)
         name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+    dist = engine.runner.dist
+    if dist is None or dist.world_size == 1:  # a split run's ranks would have to step together
+        log.info("warm-up: a decode step of 1 .. %d sequences in %.1f s", cfg.num_seqs, engine.warm_up())
     return (Leader(engine) if lead else engine), name
 
 
