@@ -105,6 +105,12 @@ def test_profile_splits_each_step_into_host_and_wait_time():
     assert r.returncode == 0, r.stderr[-2000:]
     row, = json.loads(r.stdout)
     assert 0 < row["host_ms"] <= row["step_ms"] and abs(row["host_ms"] + row["wait_ms"] - row["step_ms"]) < 1e-2
+    # and a profiled pass names where the step's time goes: the weights' matmuls lead on CPU
+    ops = row["top_ops"]
+    assert ops and all(us > 0 and calls > 0 for _, us, calls in ops)
+    assert [us for _, us, _ in ops] == sorted((us for _, us, _ in ops), reverse=True)
+    assert any("linear" in name or "addmm" in name or "mm" in name for name, _, _ in ops[:3]), ops
+    assert "top 12 by time per step" in r.stderr or "by time per step" in r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [

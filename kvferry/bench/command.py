@@ -50,7 +50,9 @@ def _add_flags(p) -> None:
                    help="how depth rows get into the cache: random KV rows, or a real prefill (default: random for random weights)")
     p.add_argument("--profile", action="store_true",
                    help="tg rows also split each step into host time (enqueueing the step: Python, launches, "
-                        "copies issued) and the wait for the device after it; host-bound where the wait is ~0")
+                        "copies issued) and the wait for the device after it (host-bound where the wait is ~0), "
+                        "and log each arm's top kernels per step (CUDA; ops on CPU) from a profiled pass of up "
+                        "to 8 untimed steps (json: top_ops)")
     p.add_argument("--link", action="store_true",
                    help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned")
     p.add_argument("--link-mib", default=None,

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from kvferry.bench import bound as B
 from kvferry.bench.command import BenchPlan, make_plan
 from kvferry.bench.link import probe_device_memory, probe_link
+from kvferry.bench.ops import log_table, op_table
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
@@ -149,10 +150,7 @@ class Bench:
                     if rep % 2 == 0:
                         order.reverse()
                     for i in order:
-                        cache = self.cache_for(self.cfgs[i])
-                        eng.cache = cache
-                        eng.cfg = self.cfgs[i]
-                        eng.runner.set_options(self.cfgs[i].flash_attn, self.cfgs[i].cuda_graphs)
+                        cache = self._use_arm(i)
                         if dev.type == "cuda":
                             torch.cuda.reset_peak_memory_stats(dev)
                         before = dict(getattr(cache, "totals", {}))
@@ -170,9 +168,23 @@ class Bench:
                                                      for k in ("early", "late", "resident")),
                                             resident=after.get("resident", 0) - before.get("resident", 0),
                                             peak=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0)
+                if a.profile and kind == "tg":  # untimed: which kernels each arm's step spends its time in
+                    for i in range(len(self.arms)):
+                        self._use_arm(i)
+                        steps = min(n, 8)
+                        stats[i]["ops"] = op_table(lambda s=steps: self.run_test(kind, s, depth), steps, dev)
+                        log_table(f"{kind}{n} @ d{depth}, arm {i + 1} ({_arm_label(self.arms[i])})", stats[i]["ops"])
                 rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host)
         bar.close()
         return rows, dict(link=link, mem_gbps=mem_gbps)
+
+    def _use_arm(self, i: int):
+        """Point the engine at arm i's cache and options; returns the cache."""
+        eng, cfg = self.eng, self.cfgs[i]
+        eng.cache = self.cache_for(cfg)
+        eng.cfg = cfg
+        eng.runner.set_options(cfg.flash_attn, cfg.cuda_graphs)
+        return eng.cache
 
     def _rows(self, kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host_ms):
         eng = self.eng
@@ -216,7 +228,8 @@ class Bench:
                 row.update(copy_ms=round(copy_ms, 3), compute_ms=round(dev_step, 3) if dev_step else None,
                            bound_ms=round(bnd, 3), pct_bound=round(B.pct_of_bound(step_ms, bnd), 1))
                 if self.a.profile:  # host-bound where host_ms is close to the step
-                    row.update(host_ms=round(host_ms[i] / per, 3), wait_ms=round(step_ms - host_ms[i] / per, 3))
+                    row.update(host_ms=round(host_ms[i] / per, 3), wait_ms=round(step_ms - host_ms[i] / per, 3),
+                               top_ops=stats[i].get("ops", []))
                 # bytes the device reads per step: the weights and the KV codes of every layer
                 # (the decode kernel reads them as stored, so a quantized type reads fewer), from
                 # the cache itself or from the ring; a host arm's share shows how far the link
@@ -240,3 +253,7 @@ class Bench:
 def _pinned_bytes(eng, cache) -> int:
     held = cache.spec.total_bytes if getattr(cache, "pinned", False) else 0
     return held + eng.runner.staged.buffer.pinned_bytes
+
+
+def _arm_label(arm: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in arm.items() if v != "-")
