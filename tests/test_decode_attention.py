@@ -66,7 +66,7 @@ def _assert_close(out, reference, dtype):
 def _run(att, q, k, v, seq_ids, ends, num_chunks):
     si, en = att.index_tensors(seq_ids, ends)
     att.layer(q, k, v, si, en, num_chunks)
-    return att.merge(num_chunks).clone()
+    return att.merge(num_chunks, en).clone()
 
 
 def _layer_case(kv_type, dtype, num_seqs=2, hkv=2, group=4, head_dim=64, chunk=128, ctx=300,
@@ -159,19 +159,40 @@ def _ring_pass(att, q, k, v, seq_ids, ends, nc, poison):
             if n > 0:
                 vslot[j, :n] = v[s, i * c:i * c + n]
         att.chunk(q, slot, vslot, i, en)
-    return att.merge(nc).clone()
+    return att.merge(nc, en).clone()
 
 
 @pytest.mark.parametrize("kv_type", ["bf16", "q4_0", "fp8"])
 def test_layer_launch_and_per_chunk_ring_launches_give_the_same_bits(kv_type):
     att, q, k, v, seq_ids, ends, nc = _layer_case(kv_type, torch.bfloat16, num_seqs=3, seq_ids=[1, 4, 0],
                                                   ends=[300, 129, 5])
+    att.o_part.zero_()  # splits past a sequence's rows are never written: keep them comparable
+    att.lse_part.zero_()
     a = _run(att, q, k, v, seq_ids, ends, nc)
     parts_a = att.o_part.clone(), att.lse_part.clone()
     b = _ring_pass(att, q, k, v, seq_ids, ends, nc, poison=0x7E)  # 0x7E: a large finite value in every type
     assert torch.equal(a, b)
     assert torch.equal(parts_a[0][:, :nc * att.num_splits], att.o_part[:, :nc * att.num_splits])
     assert torch.equal(parts_a[1][:, :nc * att.num_splits], att.lse_part[:, :nc * att.num_splits])
+
+
+def test_a_launch_over_every_chunk_and_a_merge_of_every_part_give_the_same_bits():
+    # what a CUDA graph replays whatever the step's rows: the grid and the merge sized for
+    # the whole context; the splits past each sequence's rows write nothing, and the merge
+    # stops at each sequence's last split (the unwritten parts hold NaN here)
+    att, q, k, v, seq_ids, ends, nc = _layer_case("q8_0", torch.bfloat16, num_seqs=3, seq_ids=[1, 4, 0],
+                                                  ends=[140, 129, 5])
+    att = DecodeAttention(3, 2, 4, 64, "q8_0", 128, 5, torch.bfloat16, DEVICE, tiling=SMALL)
+    assert nc == 2 and att.max_chunks == 5
+    want = _run(att, q, k, v, seq_ids, ends, nc)
+    att.o_part.fill_(float("nan"))
+    att.lse_part.fill_(float("nan"))
+    si, en = att.index_tensors(seq_ids, ends)
+    att.layer(q, k, v, si, en, att.max_chunks)
+    assert torch.equal(att.merge(att.max_chunks, en).clone(), want)
+    # negative control: a merge told of more rows than were attended reads an unwritten part
+    si, en2 = att.index_tensors(seq_ids, [300, 129, 5])
+    assert not bool(att.merge(att.max_chunks, en2).isfinite().all())
 
 
 def test_repeated_runs_are_bitwise_identical():
@@ -192,7 +213,7 @@ def test_poisoned_buffers_are_fully_overwritten():
     out = torch.full_like(clean, float("nan"))
     si, en = att.index_tensors(seq_ids, ends)
     att.layer(q, k, v, si, en, nc)
-    assert torch.equal(att.merge(nc, out=out), clean)
+    assert torch.equal(att.merge(nc, en, out=out), clean)
 
 
 def test_a_wrong_row_count_is_caught_by_the_comparison():

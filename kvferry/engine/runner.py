@@ -132,13 +132,22 @@ class ModelRunner:
         return self.model.forward(tokens, batch, cache)
 
     def _decode_graphs(self, n: int, cache: KVCache):
-        from kvferry.engine.graphs import DecodeGraphs
-        key = (n, cache.spec.kv_type)
+        """A device-resident cache read by the decode kernel: one graph for the whole pass,
+        captured per cache and batch size. Otherwise (a host cache, or -fa off) the
+        segmented graphs, per batch size and KV type."""
+        from kvferry.engine.graphs import DecodeGraphs, ResidentDecodeGraph
+        resident = isinstance(cache, DeviceKVCache) and self.model.decode_kernel
+        key = (n, cache.spec.kv_type, resident)
         g = self._graphs.get(key)
+        if g is not None and resident and g.cache_ref() is not cache:
+            # captured for an earlier cache: drop every graph of it (they hold no reference)
+            self._graphs = {k: v for k, v in self._graphs.items() if not k[2]}
+            g = None
         if g is None or g.max_pos < cache.spec.ctx - 1:
             if g is not None:  # a longer context needs longer RoPE tables: capture again
                 self._graphs.clear()
-            g = self._graphs[key] = DecodeGraphs(self.model, n, cache.spec.kv_type, cache.spec.ctx - 1)
+            g = self._graphs[key] = (ResidentDecodeGraph(self.model, n, cache, cache.spec.ctx - 1) if resident else
+                                     DecodeGraphs(self.model, n, cache.spec.kv_type, cache.spec.ctx - 1))
         return g
 
     # -- KV caches ----------------------------------------------------------------------------

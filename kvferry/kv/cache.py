@@ -254,10 +254,19 @@ class DeviceKVCache(KVCache):
 
     def begin(self, batch):
         super().begin(batch)
-        self._writes = plan_writes(batch, 0, self.spec.ctx, True, self.device)  # every new row lands
+        self._writes = None  # planned at the first write: a pass replayed as one CUDA graph has none
 
     def _store(self, layer, kq, vq, static=False):
+        if self._writes is None:
+            self._writes = plan_writes(self.batch, 0, self.spec.ctx, True, self.device)  # every new row lands
         write_rows(self.k[layer], self.v[layer], self._writes, kq, vq)
+
+    def write_at(self, layer: int, seq_index: torch.Tensor, rows: torch.Tensor, kq, vq) -> None:
+        """Row rows[j] of sequence seq_index[j] takes new row j (int64 device tensors): the
+        same bytes as write_codes for a decode pass, with no host values, so a CUDA graph
+        can hold it."""
+        self.k[layer][seq_index, rows] = kq
+        self.v[layer][seq_index, rows] = vq
 
     def window(self, layer):
         b, c = self.batch, self.spec.chunk_rows
@@ -265,5 +274,7 @@ class DeviceKVCache(KVCache):
             yield chunk_view(self.k[layer], self.v[layer], b.seq_ids, b.ends, i, c)
 
     def code_spans(self, layer):
-        # every chunk of the layer lives in one tensor: one span, one kernel launch
-        yield CodeSpan(0, self.batch.num_chunks(self.spec.chunk_rows), self.k[layer], self.v[layer], True)
+        # every chunk of the layer lives in one tensor: one span, one kernel launch. It spans
+        # the whole context, whatever the pass's rows (the kernel skips the splits past each
+        # sequence's rows), so it is the same every step and a CUDA graph can hold it
+        yield CodeSpan(0, -(-self.spec.ctx // self.spec.chunk_rows), self.k[layer], self.v[layer], True)

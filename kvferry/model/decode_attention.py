@@ -132,7 +132,8 @@ class DecodeAttention:
         block_d = min(MERGE_DIMS, head_dim)
         self._merge_grid = (num_seqs * num_kv_heads * group, head_dim // block_d)
         self._merge = Launch(kernels.merge_kernel, device, dict(
-            G=group, D=head_dim, MAX_PARTS=self.max_parts, BLOCK_P=MERGE_BLOCK, BLOCK_D=block_d),
+            HKV=num_kv_heads, G=group, D=head_dim, CHUNK=chunk_cap, SPLIT_ROWS=tiling.split_rows,
+            NUM_SPLITS=self.num_splits, MAX_PARTS=self.max_parts, BLOCK_P=MERGE_BLOCK, BLOCK_D=block_d),
             dict(num_warps=4), kernels.INTERPRETED)
         self._qk_scale = self.scale * math.log2(math.e)
 
@@ -170,10 +171,12 @@ class DecodeAttention:
         self._partials(grid, q, k, v, seq_index, ends, self.o_part, self.lse_part,
                        q.stride(0), sk[0] // self.align, sk[1] // self.align, row0, chunk0, self._qk_scale)
 
-    def merge(self, num_chunks: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    def merge(self, num_chunks: int, ends: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Merge the partials of chunks 0 .. num_chunks - 1 -> (B, Hq * D) in the compute dtype,
         written into `out` if given (contiguous), else into a buffer this object owns and
-        overwrites at the next merge."""
+        overwrites at the next merge. ends: the partials launches' (B,) int32 row counts; each
+        sequence stops at its own last split, so any num_chunks that covers the rows gives
+        the same bits (max_chunks lets a CUDA graph replay one merge for every step)."""
         if not 1 <= num_chunks <= self.max_chunks:
             raise ValueError(f"num_chunks must be in 1 .. {self.max_chunks}, got {num_chunks}")
         if out is None:
@@ -181,7 +184,7 @@ class DecodeAttention:
         elif out.shape != self.out.shape or out.dtype != self.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {self.dtype} tensor of shape {tuple(self.out.shape)}, "
                              f"got {out.dtype} {tuple(out.shape)}")
-        self._merge(self._merge_grid, self.o_part, self.lse_part, out, num_chunks * self.num_splits)
+        self._merge(self._merge_grid, self.o_part, self.lse_part, ends, out, num_chunks * self.num_splits)
         return out
 
     def _check(self, q, k, v, seq_index, ends) -> None:

@@ -124,7 +124,7 @@ def partials_kernel(Q, K, V, SEQ, ENDS, O_PART, LSE_PART,
     Chunk c holds rows [c * CHUNK, (c + 1) * CHUNK) of a sequence; chunk chunk0 + j starts
     at row row0 + j * CHUNK of K/V. Writes the split's output, normalized within the split,
     O_PART[b*HKV + h, c*NUM_SPLITS + s] (G, D) f32, and its natural log-sum-exp
-    LSE_PART[..] (G,) f32; a split without rows writes zeros and -inf.
+    LSE_PART[..] (G,) f32. A split without rows (past the sequence's end) writes nothing.
     qk_scale = softmax scale * log2(e): scores live in base 2 until the end."""
     pid = tl.program_id(0)
     part = tl.program_id(1)
@@ -134,7 +134,9 @@ def partials_kernel(Q, K, V, SEQ, ENDS, O_PART, LSE_PART,
     split = part % NUM_SPLITS
     chunk = chunk0 + j
     rows = tl.minimum(tl.maximum(tl.load(ENDS + b) - chunk * CHUNK, 0), CHUNK)  # this chunk's rows of b
-    n = tl.minimum(rows - split * SPLIT_ROWS, SPLIT_ROWS)  # this split's rows (<= 0: none)
+    n = tl.minimum(rows - split * SPLIT_ROWS, SPLIT_ROWS)  # this split's rows
+    if n <= 0:
+        return  # past the sequence's rows: the merge stops before this partial
 
     seq = tl.load(SEQ + b).to(tl.int64)
     first = (row0 + j * CHUNK + split * SPLIT_ROWS).to(tl.int64)
@@ -165,10 +167,8 @@ def partials_kernel(Q, K, V, SEQ, ENDS, O_PART, LSE_PART,
         acc = acc * alpha[:, None] + _dot(_round(p, DTYPE), v, F32)
         m = m_new
 
-    seen = l > 0
-    l_safe = tl.where(seen, l, 1.0)
-    o = tl.where(seen[:, None], acc / l_safe[:, None], 0.0)
-    lse = tl.where(seen, (m + tl.log2(l_safe)) * _LN2, float("-inf"))
+    o = acc / l[:, None]  # l > 0: the split has rows (padding heads are not stored)
+    lse = (m + tl.log2(l)) * _LN2
     idx = pid.to(tl.int64) * MAX_PARTS + chunk * NUM_SPLITS + split
     keep = g < G
     tl.store(O_PART + (idx * G + g)[:, None] * D + d[None, :], o, mask=keep[:, None])
@@ -176,16 +176,26 @@ def partials_kernel(Q, K, V, SEQ, ENDS, O_PART, LSE_PART,
 
 
 @triton.jit(do_not_specialize=["num_parts"])
-def merge_kernel(O_PART, LSE_PART, OUT, num_parts,
-                 G: tl.constexpr, D: tl.constexpr, MAX_PARTS: tl.constexpr, BLOCK_P: tl.constexpr,
-                 BLOCK_D: tl.constexpr):
-    """Program ((b * HKV + h) * G + g, j): merges partials 0 .. num_parts - 1 of query head
-    h * G + g of sequence b, always in index order, into dims j * BLOCK_D .. + BLOCK_D of
-    OUT[b, (h*G + g)*D : +D], i.e. of row pid of OUT viewed as (B * HKV * G, D). Partial 0
-    holds row 0, which every query sees, so the largest log-sum-exp is finite."""
+def merge_kernel(O_PART, LSE_PART, ENDS, OUT, num_parts,
+                 HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+                 SPLIT_ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, MAX_PARTS: tl.constexpr,
+                 BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program ((b * HKV + h) * G + g, j): merges the partials of query head h * G + g of
+    sequence b, always in index order, into dims j * BLOCK_D .. + BLOCK_D of
+    OUT[b, (h*G + g)*D : +D], i.e. of row pid of OUT viewed as (B * HKV * G, D).
+
+    It reads partials 0 .. min(num_parts, own) - 1, where own counts the splits that hold
+    rows of b (ENDS (B,) int32: its rows): every split before b's last one holds rows, and
+    none after it was written. Partial 0 holds row 0, which every query sees, so the largest
+    log-sum-exp is finite. A partial with no rows would add exactly zero, so the bits are
+    those of merging any number of parts >= own: a caller may pass MAX_PARTS (a CUDA graph
+    does, whatever the step's rows)."""
     pid = tl.program_id(0)
     bh = pid // G
     g = pid % G
+    last = tl.load(ENDS + bh // HKV) - 1  # b's last row
+    own = (last // CHUNK) * NUM_SPLITS + (last % CHUNK) // SPLIT_ROWS + 1
+    num_parts = tl.minimum(num_parts, own)
     p = tl.arange(0, BLOCK_P)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     lse_row = LSE_PART + bh.to(tl.int64) * MAX_PARTS * G + g

@@ -169,16 +169,21 @@ class Transformer:
         tensors on the device."""
         if not (self.decode_kernel and batch.num_tokens == len(batch.seq_ids)):
             return AttentionPass(batch, cache)
-        spec = cache.spec
+        kernel = self.decode_attention(len(batch.seq_ids), cache.spec)
+        return AttentionPass(batch, cache, kernel, *kernel.index_tensors(batch.seq_ids, batch.ends))
+
+    def decode_attention(self, num_seqs: int, spec) -> "DecodeAttention":
+        """The split-KV kernel for decode passes of num_seqs sequences over a cache of `spec`
+        (made once per shape: it owns the partials buffers)."""
         cap = min(spec.chunk_rows, spec.ctx)
-        key = (len(batch.seq_ids), spec.kv_type, cap, spec.ctx)
+        key = (num_seqs, spec.kv_type, cap, spec.ctx)
         kernel = self._decoders.get(key)
         if kernel is None:
             from kvferry.model.decode_attention import DecodeAttention
             kernel = self._decoders[key] = DecodeAttention(
-                len(batch.seq_ids), self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
+                num_seqs, self.num_kv_local, self.group, self.cfg.head_dim, spec.kv_type, cap,
                 -(-spec.ctx // cap), self.dtype, self.device, scale=self.scale)
-        return AttentionPass(batch, cache, kernel, *kernel.index_tensors(batch.seq_ids, batch.ends))
+        return kernel
 
     def attend(self, layer: int, q, att: "AttentionPass", out: torch.Tensor | None = None):
         """q (N, Hq, D) -> attention output (N, Hq * D) over the cache's window, written into
@@ -220,7 +225,7 @@ class Transformer:
             kernel.partials(q, span.k, span.v, att.seq_ids if span.by_seq else kernel.slot_index, att.ends,
                             chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
             n = span.chunk0 + span.num_chunks
-        return kernel.merge(n, out)
+        return kernel.merge(n, att.ends, out)
 
     def _chunk_attention(self, q, k, v, row0, start, count):
         """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's
