@@ -34,8 +34,8 @@ def _engine(np_, kv=None):
 
 def _greedy(eng, n_predict, graphs, corrupt_at=None):
     """Greedy ids and every step's logits of num_seqs sequences (random prompts of 9 to 20
-    tokens); `corrupt_at`: before that decode step, flip one bit of the first sequence's
-    second KV row in layer 3 (the negative control)."""
+    tokens); `corrupt_at`: before that decode step, flip one exponent bit of every value of
+    the first sequence's second V row in layer 3 (the negative control)."""
     eng.runner.set_options(flash_attn=True, cuda_graphs=graphs)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (9 + 5 * j,), generator=g).tolist() for j in range(eng.cfg.num_seqs)]
@@ -48,7 +48,7 @@ def _greedy(eng, n_predict, graphs, corrupt_at=None):
         ids.append(list(out))
         step[0] += 1
         if step[0] == corrupt_at:
-            eng.cache.k[3][0, 1, 0, 0] ^= 0x40
+            eng.cache.v[3][0, 1, :, 1::2] ^= 0x40  # an exponent bit of every bf16 value of the row
     return ids, torch.stack(logits)
 
 

@@ -12,19 +12,22 @@ from kvferry.kv.cache import Batch, DeviceKVCache, KVCache
 from kvferry.model.transformer import AttentionPass, Transformer
 
 
-def _capture(fns, dev):
-    """One CUDA graph per function, sharing one memory pool -> (graphs, their outputs). The
-    caller has run each function once outside capture (library and kernel initialization)."""
+def _capture(fns, dev, outs: list) -> list:
+    """One CUDA graph per function, sharing one memory pool -> the graphs; each one's output
+    is appended to `outs` as soon as it is captured, because a later function may read an
+    earlier one's output through that list (and must read the captured buffer, not a
+    warm-up tensor that is freed afterwards). The caller has run each function once outside
+    capture (library and kernel initialization)."""
     torch.cuda.synchronize(dev)
     pool = torch.cuda.graph_pool_handle()
-    graphs, outs = [], []
+    graphs = []
     for f in fns:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=pool, capture_error_mode="thread_local"):
             outs.append(f())
         graphs.append(g)
     torch.cuda.synchronize(dev)
-    return graphs, outs
+    return graphs
 
 
 class DecodeGraphs:
@@ -69,7 +72,8 @@ class DecodeGraphs:
             self.outs = []
             for f in fns:
                 self.outs.append(f())
-        self.graphs, self.outs = _capture(fns, dev)
+        self.outs = []  # the segments read each other's captured outputs from here
+        self.graphs = _capture(fns, dev, self.outs)
 
     def run(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
         model = self.model
@@ -129,8 +133,8 @@ class ResidentDecodeGraph:
         torch.cuda.synchronize(dev)
         for (k0, v0), k, v in zip(saved, cache.k, cache.v):
             k[0, 0], v[0, 0] = k0, v0
-        graphs, outs = _capture([step], dev)
-        self.graph, self.logits = graphs[0], outs[0]
+        outs = []
+        self.graph, self.logits = _capture([step], dev, outs)[0], outs[0]
 
     def run(self, tokens, batch: Batch, cache: DeviceKVCache) -> torch.Tensor:
         if self.cache_ref() is not cache:
