@@ -6,7 +6,8 @@ to back (--prompt-tokens random token ids when the server has no tokenizer, else
 requests completed, errors by status, aggregate generated tokens/s, time to first token and
 inter-token latency (median and p90), the server's RSS drift between the first and last
 quarter when --pid is given, and from the server's /metrics its decode steps alone (prefill
-chunks excluded): mean step time and the rate at which they attend KV bytes, which for a host
+chunks excluded): mean, median and p90 step time (the last two from the histogram's buckets,
+1.25x apart) and the rate at which they attend KV bytes, which for a host
 KV cache is set against the link (--link-gbps, e.g. from `kvferry bench --link`). Prints a
 markdown table, then one JSON line (or -o FILE.json).
 
@@ -88,7 +89,9 @@ async def _level(a, concurrency: int, prompt) -> dict:
     t0 = time.perf_counter()
     await asyncio.gather(sample_rss(), *(client(i) for i in range(concurrency)))
     wall = time.perf_counter() - t0
-    steps, step_s, kv_bytes = (x - y for x, y in zip(await _decode_counters(a), before))
+    after = await _decode_counters(a)
+    steps, step_s, kv_bytes = (x - y for x, y in zip(after[:3], before[:3]))
+    buckets = {le: n - before[3].get(le, 0.0) for le, n in after[3].items()}
     q = len(rec["rss"]) // 4
     drift = (sum(rec["rss"][-q:]) / q) / (sum(rec["rss"][:q]) / q) - 1 if q else None
     return dict(concurrency=concurrency, seconds=round(wall, 1), requests=rec["done"], errors=rec["errors"],
@@ -97,17 +100,44 @@ async def _level(a, concurrency: int, prompt) -> dict:
                 itl_ms_p50=_ms(rec["itl"], 0.5), itl_ms_p90=_ms(rec["itl"], 0.9),
                 rss_drift_pct=None if drift is None else round(100 * drift, 2), decode_steps=int(steps),
                 step_ms=round(1000 * step_s / steps, 2) if steps else None,
+                step_ms_p50=bucket_ms(buckets, 0.5), step_ms_p90=bucket_ms(buckets, 0.9),
                 kv_gbps=round(kv_bytes / step_s / 1e9, 2) if step_s else None,
                 pct_link=round(100 * kv_bytes / step_s / 1e9 / a.link_gbps, 1) if step_s and a.link_gbps else None)
 
 
-async def _decode_counters(a) -> tuple[float, float, float]:
-    """(decode steps, their seconds, KV bytes they attended) so far, from /metrics."""
+_STEP_BUCKET = "kvferry_decode_step_seconds_bucket{le=\""
+
+
+async def _decode_counters(a) -> tuple[float, float, float, dict]:
+    """(decode steps, their seconds, KV bytes they attended, {bucket bound: steps at most
+    that long}) so far, from /metrics."""
     async with httpx.AsyncClient(base_url=a.url, timeout=30) as c:
-        text = (await c.get("/metrics")).text
+        return parse_counters((await c.get("/metrics")).text)
+
+
+def parse_counters(text: str) -> tuple[float, float, float, dict]:
     vals = {ln.split()[0]: float(ln.split()[1]) for ln in text.splitlines() if ln and not ln.startswith("#")}
+    buckets = {float(k[len(_STEP_BUCKET):-2]): v for k, v in vals.items() if k.startswith(_STEP_BUCKET)}
     return (vals.get("kvferry_decode_step_seconds_count", 0.0), vals.get("kvferry_decode_step_seconds_sum", 0.0),
-            vals.get("kvferry_decode_kv_bytes_total", 0.0))
+            vals.get("kvferry_decode_kv_bytes_total", 0.0), buckets)
+
+
+def bucket_ms(buckets: dict, q: float):
+    """The q-quantile of the decode steps from the histogram's cumulative buckets, in ms:
+    linear within the bucket that holds it (the buckets are 1.25x apart)."""
+    bounds = sorted(buckets)
+    total = buckets.get(float("inf"), 0.0)
+    if not total:
+        return None
+    lo, below = 0.0, 0.0
+    for b in bounds:
+        if buckets[b] >= q * total:
+            if b == float("inf"):
+                return round(1000 * lo, 2)
+            frac = (q * total - below) / max(buckets[b] - below, 1e-9)
+            return round(1000 * (lo + frac * (b - lo)), 2)
+        lo, below = b, buckets[b]
+    return None
 
 
 def _ms(xs, q):
@@ -141,7 +171,7 @@ def main(argv=None) -> int:
             return f"[{rng.random():.6f}] " + " ".join(rng.choice(words) for _ in range(a.prompt_tokens - 8))
     rows = [asyncio.run(_level(a, int(c), prompt)) for c in a.concurrency.split(",")]
     cols = ["concurrency", "requests", "errors", "tok_s", "ttft_ms_p50", "ttft_ms_p90", "itl_ms_p50", "itl_ms_p90",
-            "rss_drift_pct", "decode_steps", "step_ms", "kv_gbps", "pct_link"]
+            "rss_drift_pct", "decode_steps", "step_ms", "step_ms_p50", "step_ms_p90", "kv_gbps", "pct_link"]
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")

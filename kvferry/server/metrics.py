@@ -14,6 +14,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+# decode steps: 1 ms to 12 s in steps of 1.25x, fine enough to tell a slow tail from a slow
+# median (a 4k host-KV step of an 8B shape is about 10 ms; the latency buckets above jump from
+# 10 to 25 ms)
+_STEP_BUCKETS = tuple(round(0.001 * 1.25 ** i, 6) for i in range(43))
 
 
 class Metrics:
@@ -32,7 +36,7 @@ class Metrics:
         self.rate = Histogram("kvferry_request_tokens_per_second", "a request's decode rate after its first token",
                               buckets=_RATE_BUCKETS, registry=r)
         self.step = Histogram("kvferry_decode_step_seconds", "one batched decode step (every decoding request, "
-                              "one token each, sampled)", buckets=_LATENCY_BUCKETS, registry=r)
+                              "one token each, sampled)", buckets=_STEP_BUCKETS, registry=r)
         self.step_kv = Counter("kvferry_decode_kv_bytes", "KV bytes the decode steps attended (every decoding "
                                "request's rows, all layers): over the steps' seconds, the rate to set against the "
                                "link for a host KV cache", registry=r)

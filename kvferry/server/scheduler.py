@@ -223,7 +223,9 @@ class Scheduler:
             for j in jobs:
                 self._fail(j, f"decode failed: {e}")
             return
-        self.metrics.decode_step(self.clock() - t0, sum(j.pos + 1 for j in jobs) * self.kv_token_bytes)
+        dt = self.clock() - t0
+        self.metrics.decode_step(dt, sum(j.pos + 1 for j in jobs) * self.kv_token_bytes)
+        log.debug("decode step: %d sequences, %.2f ms", len(jobs), 1e3 * dt)
         for j, token in zip(jobs, tokens):
             j.pos += 1
             self._accept(j, token)
