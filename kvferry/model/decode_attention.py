@@ -74,6 +74,14 @@ def split_range(end: int, chunk: int, split: int, chunk_cap: int, split_rows: in
     return range(lo, chunk * chunk_cap + min(n, (split + 1) * split_rows))
 
 
+def parts_with_rows(end: int, chunk_cap: int, split_rows: int = SPLIT_ROWS) -> int:
+    """How many partials (index chunk * num_splits + split) hold rows of a sequence of `end`
+    rows: they are the first ones, and the merge kernel reads exactly these (it computes the
+    same from the row counts)."""
+    last = end - 1
+    return (last // chunk_cap) * num_splits(chunk_cap, split_rows) + (last % chunk_cap) // split_rows + 1
+
+
 def _alignment(row_bytes: int) -> int:
     """The largest power of two <= 16 that divides a row: the widest aligned load a row allows."""
     return math.gcd(row_bytes, 16)
