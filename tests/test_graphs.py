@@ -60,7 +60,7 @@ def test_the_whole_pass_graph_gives_the_eager_bits(np_):
     assert any(isinstance(g, ResidentDecodeGraph) for g in eng.runner._graphs.values())
     assert graphed[0] == eager[0]
     assert torch.equal(graphed[1], eager[1])
-    # negative control: one flipped bit in one old row of the cache shows in the comparison
+    # negative control: an exponent bit flipped in every value of one old V row shows
     broken = _greedy(eng, 40, graphs=True, corrupt_at=5)
     assert not torch.equal(broken[1], eager[1])
 

@@ -38,8 +38,9 @@ class DecodeGraphs:
     `_pre`; the last is the final `_post` and the head. Between segments, eager code does
     what changes shape every step: the cache write, the chunked attention over the window
     (and with it the transport's copies and events), writing its output into the next
-    segment's static input. Every placement runs the same graphs, so output
-    bits still do not depend on where the cache lives.
+    segment's static input. Every host placement runs the same graphs, and a device-resident
+    cache's whole-pass graph (ResidentDecodeGraph) makes the same launches, so output bits
+    still do not depend on where the cache lives.
 
     The static K/V code outputs of a segment are overwritten when it is replayed in the
     next pass; the host cache's write-backs read them, so a host cache makes each pass

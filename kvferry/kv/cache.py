@@ -265,8 +265,7 @@ class DeviceKVCache(KVCache):
         """Row rows[j] of sequence seq_index[j] takes new row j (int64 device tensors): the
         same bytes as write_codes for a decode pass, with no host values, so a CUDA graph
         can hold it."""
-        self.k[layer][seq_index, rows] = kq
-        self.v[layer][seq_index, rows] = vq
+        write_rows(self.k[layer], self.v[layer], (seq_index, rows, None), kq, vq)
 
     def window(self, layer):
         b, c = self.batch, self.spec.chunk_rows

@@ -8,12 +8,12 @@ layer's or a chunk's codes), or make host syncs (no .item(), no host copies per 
 
 Decode means one query token per sequence. A chunk of capacity `chunk_cap` (the cache's
 chunk size, min(chunk_rows, ctx)) is always cut into num_splits(chunk_cap) splits of
-`split_rows` rows, whatever rows it actually holds: a split past a sequence's rows writes
-an empty partial (log-sum-exp -inf, output 0). So the grid, each program's rows and the
-merge order depend only on shapes, and the device-resident cache (one launch per layer over
-all chunks, `layer`) and the host ring (one launch per chunk from a slot, `chunk`) produce
-the same bits. The merge then runs once per layer over chunks * splits partials, in index
-order, and writes (B, Hq * D) in the compute dtype.
+`split_rows` rows, whatever rows it actually holds: a split past a sequence's rows returns
+without writing. So the grid, each program's rows and the merge order depend only on shapes,
+and the device-resident cache (one launch per layer over the whole context, `layer`) and the
+host ring (one launch per chunk from a slot, `chunk`) produce the same bits. The merge then
+runs once per layer over each sequence's first parts_with_rows(end) partials (every split
+before its last one holds rows), in index order, and writes (B, Hq * D) in the compute dtype.
 
 Rows of chunk c for sequence b are [c * chunk_cap, c * chunk_cap + n) with
 n = clamp(end_b - c * chunk_cap, 0, chunk_cap), where end_b is the sequence's row count
@@ -68,7 +68,7 @@ def num_splits(chunk_cap: int, split_rows: int = SPLIT_ROWS) -> int:
 
 def split_range(end: int, chunk: int, split: int, chunk_cap: int, split_rows: int = SPLIT_ROWS) -> range:
     """Rows (of the sequence) that program (chunk, split) reads for a sequence of `end` rows;
-    the kernel computes the same, and an empty range means an empty partial."""
+    the kernel computes the same, and for an empty range it writes no partial."""
     n = min(max(end - chunk * chunk_cap, 0), chunk_cap)
     lo = chunk * chunk_cap + split * split_rows
     return range(lo, chunk * chunk_cap + min(n, (split + 1) * split_rows))

@@ -185,7 +185,7 @@ def merge_kernel(O_PART, LSE_PART, ENDS, OUT, num_parts,
     OUT[b, (h*G + g)*D : +D], i.e. of row pid of OUT viewed as (B * HKV * G, D).
 
     It reads partials 0 .. min(num_parts, own) - 1, where own counts the splits that hold
-    rows of b (ENDS (B,) int32: its rows): every split before b's last one holds rows, and
+    rows of b (ENDS (B,) int32: its rows; decode_attention.parts_with_rows): every split before b's last one holds rows, and
     none after it was written. Partial 0 holds row 0, which every query sees, so the largest
     log-sum-exp is finite. A partial with no rows would add exactly zero, so the bits are
     those of merging any number of parts >= own: a caller may pass MAX_PARTS (a CUDA graph
