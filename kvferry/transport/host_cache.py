@@ -385,17 +385,19 @@ class HostKVCache(KVCache):
 
     def _prefetch_next(self, batch) -> None:
         """Guess the next pass (the same sequences, one token each, starting where this one
-        ended, as in decode) and issue its first `depth` units now. Without this the link
-        idles from the last delivery of a pass until the host has sampled and started the
-        next pass; with it, the copies run under the last layers' compute and the sampling.
-        The slots are free: all of this pass's units have been enqueued, so every slot's
-        release is recorded. A wrong guess costs only those copies (begin() skips them)."""
+        ended, as in decode) and issue its first units now, one per slot. Without this the
+        link idles from the last delivery of a pass until the host has sampled and started
+        the next pass; with it, the copies run under the last layers' compute, the sampling
+        and the start of the next pass, which at short contexts take longer than `depth`
+        units' copies (a 4k unit of an 8B shape is 0.3 ms of link). The slots are free: all
+        of this pass's units have been enqueued, so every slot's release is recorded (the
+        copies wait on it). A wrong guess costs only those copies (begin() skips them)."""
         nxt = Batch(list(batch.seq_ids), list(batch.ends), [1] * len(batch.seq_ids))
         if max(nxt.ends) > self.spec.ctx:
             return
         nchunks = nxt.num_chunks(self.spec.chunk_rows)
         nfer = max(0, nchunks - self.resident_chunks)
-        n = min(self.depth, self.spec.num_layers * nfer)
+        n = min(self.num_slots, self.spec.num_layers * nfer)
         sent = sum(self._issue(nxt, nfer, self._unit, u) for u in range(n))
         self._pf = dict(key=self._pass_key(nxt, nchunks), unit0=self._unit, issued=n, bytes=sent)
 
