@@ -68,7 +68,9 @@ def add_model_args(p: argparse.ArgumentParser, sweep: bool = False):
                    help="keep the KV cache in host memory and ferry it to the device per layer" + (" (comma list to sweep, e.g. 0,1)" if sweep else ""))
     k.add_argument("--kv-pinned", dest="kv_pinned", action="store_true", default=True, help="host KV cache in pinned memory (default)")
     k.add_argument("--no-kv-pinned", dest="kv_pinned", action="store_false", help="host KV cache in pageable memory (copies go through the staging buffer)")
-    k.add_argument("-kvpd", "--kv-pipeline-depth", default="1", help="look-ahead of the pipelined transport; 0 = ordered (default: 1)")
+    k.add_argument("-kvpd", "--kv-pipeline-depth", default="2",
+                   help="look-ahead of the pipelined transport, the deepest up to N that fits the ring's budget; "
+                        "0 = ordered (default: 2)")
     k.add_argument("-kvpb", "--kv-pipeline-budget", default="auto",
                    help="cap on the ring's device memory in MiB; 0 = no cap; auto = 1/16 of the device's memory "
                         "(default: auto)")

@@ -67,6 +67,7 @@ def main():
             res[("eight", name)] = run(engine(kv, 8), prompts["eight"], n8)
     if "residency" in parts:
         res.update(residency(engine(dict(offload=True, depth=1), 8), prompts["eight"], n8))
+        res.update(ring_vote(engine(dict(offload=True, depth=1), 8), prompts["eight"], n8))
     if "delays" in parts:
         res[("delays", "device")] = run(engine({}, 8), prompts["eight"], 64)
         for depth in (1, 4):
@@ -140,6 +141,27 @@ def residency(eng, prompts, n):
     ranks = dist.gather(dict(own=dist.rank + 1, chunks=chunks, moved=moved,
                              notes=[m for m in notes if "another rank" in m]))
     return {("residency", "eight"): got, ("residency", "ranks"): ranks}
+
+
+def ring_vote(eng, prompts, n):
+    """-kvpd 4 with a ring budget of rank + 3 slots: alone, rank 0 would run look-ahead 1 and
+    rank 1 look-ahead 2; together both run 1, and rank 1 says why."""
+    dist = eng.runner.dist
+    notes = []
+    grab = logging.Handler()
+    grab.emit = lambda r: notes.append(r.getMessage())
+    logger = logging.getLogger("kvferry.transport.host_cache")
+    logger.addHandler(grab)
+    try:
+        budget = (dist.rank + 3) * eng.cache.slot_bytes / (1 << 20)
+        eng.cache.set_transport(dataclasses.replace(eng.cfg.kv, depth=4, budget_mib=budget))
+        depth = eng.cache.depth
+        got = run(eng, prompts, n)
+    finally:
+        logger.removeHandler(grab)
+        eng.cache.set_transport(eng.cfg.kv)
+    ranks = dist.gather(dict(depth=depth, notes=[m for m in notes if "another rank" in m]))
+    return {("ring", "eight"): got, ("ring", "ranks"): ranks}
 
 
 def same(a, b):

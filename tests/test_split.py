@@ -88,6 +88,16 @@ def test_ranks_with_different_budgets_keep_the_same_resident_chunks(name, prompt
 
 
 @pytest.mark.parametrize("name", DELAYED)
+def test_ranks_with_different_ring_budgets_run_the_same_look_ahead(name, prompts, tmp_path_factory):
+    res = result(name, prompts, tmp_path_factory)
+    ranks = res[("ring", "ranks")]
+    assert [r["depth"] for r in ranks] == [1, 1], ranks  # the deepest that fits on every rank
+    assert [len(r["notes"]) for r in ranks] == [0, 1], ranks  # rank 1 could run 2, and says why
+    assert "fits only look-ahead 1" in ranks[1]["notes"][0]
+    assert _same(res[("ring", "eight")], res[("eight", "device")]), f"{name}: the agreed ring differs"
+
+
+@pytest.mark.parametrize("name", DELAYED)
 def test_copy_delays_change_nothing_over_1000_decode_steps(name, prompts, tmp_path_factory):
     res = result(name, prompts, tmp_path_factory)
     ref = res[("delays", "device")]

@@ -259,6 +259,25 @@ def test_auto_ring_budget_holds_a_server_batch_on_a_large_device_only():
     assert ring_plan(spec, KVConfig(offload=True, depth=1, budget_mib=128), 70 << 30, 80 << 30).depth == 0
 
 
+def test_ring_runs_the_deepest_look_ahead_that_fits():
+    """The default -kvpd 2 on 16 sequences at 4k of an 8B shape: 4 slots of 256 MiB where the
+    auto budget holds them (80 GiB device), look-ahead 1 with a note where it holds 3 slots
+    (12 GiB: 768 MiB), ordered with the reason where it holds fewer (8 GiB)."""
+    kv = KVConfig(offload=True)
+    assert kv.depth == 2
+    spec = _llama3_8b_spec(4096, num_seqs=16)
+    big = ring_plan(spec, kv, free_bytes=70 << 30, total_bytes=80 << 30)
+    assert (big.depth, big.num_slots, big.reason, big.note) == (2, 4, None, None)
+    mid = ring_plan(spec, kv, free_bytes=10 << 30, total_bytes=12 << 30)
+    assert (mid.depth, mid.num_slots, mid.reason) == (1, 3, None)
+    assert "-kvpd 2: the ring needs 1024.0 MiB" in mid.note and "look-ahead 1 fits" in mid.note
+    small = ring_plan(spec, kv, free_bytes=6 << 30, total_bytes=8 << 30)
+    assert (small.depth, small.num_slots) == (0, 1) and "needs 768.0 MiB" in small.reason
+    # free memory counts too: 768 MiB + 1 GiB of headroom fit in 1900 MiB, 1 GiB + 1 GiB do not
+    tight = ring_plan(spec, KVConfig(offload=True, budget_mib=0), free_bytes=1900 << 20)
+    assert tight.depth == 1 and "only 1900 MiB of device memory is free" in tight.note
+
+
 def test_host_write_waits_for_deliveries_in_flight():
     eng = _engine(dict(offload=True, depth=1))
     prompts = _prompts(eng, 1)

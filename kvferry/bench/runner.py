@@ -246,6 +246,8 @@ class Bench:
                        peak_dev_mib=round(stats[i]["peak"] / MiB, 1),
                        pinned_mib=round(_pinned_bytes(eng, cache) / MiB, 1),
                        same=(ref_tokens.get(i) == first_tokens) if kind == "tg" else None)
+            if host and str(cache.depth) != row["kvpd"]:  # the ring ran a shallower look-ahead (ring_plan)
+                row["kvpd"] = f"{row['kvpd']} (ran {cache.depth})"
             out.append(row)
         return out
 

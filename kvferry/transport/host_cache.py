@@ -71,6 +71,7 @@ class RingPlan:
     num_slots: int
     slot_bytes: int
     reason: str | None  # why the pipeline was declined, if it was
+    note: str | None = None  # why the look-ahead is less than -kvpd asked for, if it is
 
     @property
     def ring_bytes(self) -> int:
@@ -78,24 +79,31 @@ class RingPlan:
 
 
 def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None, total_bytes: int | None = None) -> RingPlan:
-    """Size the ring; decline (ordered, one slot) over the budget or without headroom.
+    """Size the ring at the deepest look-ahead up to -kvpd that fits the budget and free
+    memory; decline (ordered, one slot) where not even depth 1 fits.
     free_bytes / total_bytes: the device's memory (None: not known, no check / no auto cap)."""
     slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes  # K + V rows of every sequence
     if kv.depth == 0:
         return RingPlan(0, 1, slot, None)
-    ring = (kv.depth + 2) * slot
     if kv.budget_mib == "auto":
         budget, said = (total_bytes or 0) * RING_SHARE, "auto: 1/16 of the device's memory"
     else:
         budget, said = kv.budget_mib * MiB, "-kvpb"
-    if budget and ring > budget:
-        reason = (f"the ring needs {ring / MiB:.1f} MiB ({kv.depth + 2} slots of {slot / MiB:.1f} MiB) "
-                  f"> budget {budget / MiB:g} MiB ({said}; raise -kvpb, or lower --kv-chunk or -np)")
-    elif free_bytes is not None and ring + HEADROOM_BYTES > free_bytes:
-        reason = f"the ring needs {ring / MiB:.1f} MiB but only {free_bytes / MiB:.0f} MiB of device memory is free"
-    else:
-        return RingPlan(kv.depth, kv.depth + 2, slot, None)
-    return RingPlan(0, 1, slot, reason)
+
+    def misfit(depth: int) -> str | None:
+        ring = (depth + 2) * slot
+        if budget and ring > budget:
+            return (f"the ring needs {ring / MiB:.1f} MiB ({depth + 2} slots of {slot / MiB:.1f} MiB) "
+                    f"> budget {budget / MiB:g} MiB ({said}; raise -kvpb, or lower --kv-chunk or -np)")
+        if free_bytes is not None and ring + HEADROOM_BYTES > free_bytes:
+            return f"the ring needs {ring / MiB:.1f} MiB but only {free_bytes / MiB:.0f} MiB of device memory is free"
+        return None
+
+    for depth in range(kv.depth, 0, -1):
+        if misfit(depth) is None:
+            note = None if depth == kv.depth else f"-kvpd {kv.depth}: {misfit(kv.depth)}; look-ahead {depth} fits"
+            return RingPlan(depth, depth + 2, slot, None, note)
+    return RingPlan(0, 1, slot, misfit(1))
 
 
 class HostKVCache(KVCache):
@@ -103,8 +111,8 @@ class HostKVCache(KVCache):
     without them a pageable cache makes its own. Test hooks: `_delay_s` (lo, hi) seconds, or
     {lane: (lo, hi)} with lane 0 deliveries and 1 write-backs, slows copies down; the
     `_unsafe_*` flags break one ordering each (the gates' negative controls).
-    `agree(x)`: in a split run, the least of every rank's x: the vote on the ring (True only
-    where all ranks' rings fit), so that no rank runs pipelined while another declines, and
+    `agree(x)`: in a split run, the least of every rank's x: the ring's look-ahead (every
+    rank runs the deepest that fits on all, ordered where one rank's ring does not fit), and
     the resident chunks per layer (every rank keeps the fewest any rank can hold)."""
 
     def __init__(self, spec: KVSpec, kv: KVConfig, device, dtype, progress=True, *,
@@ -295,13 +303,20 @@ class HostKVCache(KVCache):
             free, total = None, hostmem.memory_bytes()[0] or None
         plan = ring_plan(self.spec, self.kv, free, total)
         if self._agree is not None and self.kv.depth:
-            # every rank votes, those whose ring fits too: one that declines declines for all
-            # (it says why in its own log)
-            if not self._agree(plan.reason is None) and plan.reason is None:
-                plan = RingPlan(0, 1, plan.slot_bytes, "another rank's ring does not fit "
-                                "(the ranks of a split run decline together)")
+            # every rank votes with its depth and all run the least (0 where one declines;
+            # it says why in its own log), so the ranks of a split run pipeline alike
+            least = self._agree(plan.depth)
+            if least < plan.depth:
+                if least == 0:
+                    plan = RingPlan(0, 1, plan.slot_bytes, "another rank's ring does not fit "
+                                    "(the ranks of a split run decline together)")
+                else:
+                    plan = RingPlan(least, least + 2, plan.slot_bytes, None, f"-kvpd {self.kv.depth}: another "
+                                    f"rank's ring fits only look-ahead {least}, and the ranks of a split run run alike")
         if plan.reason:
             log.warning("pipelined KV transport declined, running ordered: %s", plan.reason)
+        elif plan.note:
+            log.warning("pipelined KV transport: %s", plan.note)
         return plan
 
     def describe(self) -> str:
