@@ -9,6 +9,7 @@ usage: split_worker.py cli KVFERRY_ARGS...
   kvferry's CLI as a user runs it (under torchrun), with rank 1 failing after 3 tokens.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -118,28 +119,35 @@ def run(eng, prompts, n, first_logits=False):
     return ids, [keep[j] for j in range(len(prompts))], sums
 
 
-def residency(eng, prompts, n):
-    """Each rank's budget holds rank + 1 chunks per layer of its own share; the ranks keep
-    the fewest (one) and say why once where they could hold more. The run, against the
-    same split's device-resident one (the placements part's)."""
-    dist = eng.runner.dist
+@contextlib.contextmanager
+def transport(eng, **changes):
+    """The engine's cache on its own KV config with `changes`, back to that config after
+    (the engine is shared); yields the host cache's log lines that name another rank."""
     notes = []
     grab = logging.Handler()
     grab.emit = lambda r: notes.append(r.getMessage())
     logger = logging.getLogger("kvferry.transport.host_cache")
     logger.addHandler(grab)
     try:
-        budget = resident_bytes(eng.kv_spec, dist.rank + 1) / (1 << 20)
-        eng.cache.set_transport(dataclasses.replace(eng.cfg.kv, device_budget_mib=budget))
+        eng.cache.set_transport(dataclasses.replace(eng.cfg.kv, **changes))
+        yield notes
+    finally:
+        logger.removeHandler(grab)
+        eng.cache.set_transport(eng.cfg.kv)
+        notes[:] = [m for m in notes if "another rank" in m]
+
+
+def residency(eng, prompts, n):
+    """Each rank's budget holds rank + 1 chunks per layer of its own share; the ranks keep
+    the fewest (one) and say why once where they could hold more. The run, against the
+    same split's device-resident one (the placements part's)."""
+    dist = eng.runner.dist
+    with transport(eng, device_budget_mib=resident_bytes(eng.kv_spec, dist.rank + 1) / (1 << 20)) as notes:
         chunks = eng.cache.resident_chunks
         before = dict(eng.cache.totals)
         got = run(eng, prompts, n)
         moved = {k: eng.cache.totals[k] - before[k] for k in ("early", "resident")}
-    finally:
-        logger.removeHandler(grab)
-        eng.cache.set_transport(eng.cfg.kv)  # the engine is shared: back to budget 0
-    ranks = dist.gather(dict(own=dist.rank + 1, chunks=chunks, moved=moved,
-                             notes=[m for m in notes if "another rank" in m]))
+    ranks = dist.gather(dict(own=dist.rank + 1, chunks=chunks, moved=moved, notes=notes))
     return {("residency", "eight"): got, ("residency", "ranks"): ranks}
 
 
@@ -147,20 +155,10 @@ def ring_vote(eng, prompts, n):
     """-kvpd 4 with a ring budget of rank + 3 slots: alone, rank 0 would run look-ahead 1 and
     rank 1 look-ahead 2; together both run 1, and rank 1 says why."""
     dist = eng.runner.dist
-    notes = []
-    grab = logging.Handler()
-    grab.emit = lambda r: notes.append(r.getMessage())
-    logger = logging.getLogger("kvferry.transport.host_cache")
-    logger.addHandler(grab)
-    try:
-        budget = (dist.rank + 3) * eng.cache.slot_bytes / (1 << 20)
-        eng.cache.set_transport(dataclasses.replace(eng.cfg.kv, depth=4, budget_mib=budget))
+    with transport(eng, depth=4, budget_mib=(dist.rank + 3) * eng.cache.slot_bytes / (1 << 20)) as notes:
         depth = eng.cache.depth
         got = run(eng, prompts, n)
-    finally:
-        logger.removeHandler(grab)
-        eng.cache.set_transport(eng.cfg.kv)
-    ranks = dist.gather(dict(depth=depth, notes=[m for m in notes if "another rank" in m]))
+    ranks = dist.gather(dict(depth=depth, notes=notes))
     return {("ring", "eight"): got, ("ring", "ranks"): ranks}
 
 
