@@ -68,10 +68,13 @@ MAX_PINNED_SHARE = 0.8
 @dataclass(frozen=True)
 class RingPlan:
     depth: int  # 0 = ordered
-    num_slots: int
     slot_bytes: int
     reason: str | None  # why the pipeline was declined, if it was
     note: str | None = None  # why the look-ahead is less than -kvpd asked for, if it is
+
+    @property
+    def num_slots(self) -> int:  # look-ahead depth uses depth + 2 slots; ordered, one
+        return self.depth + 2 if self.depth else 1
 
     @property
     def ring_bytes(self) -> int:
@@ -84,7 +87,7 @@ def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None, total_b
     free_bytes / total_bytes: the device's memory (None: not known, no check / no auto cap)."""
     slot = spec.num_seqs * min(spec.chunk_rows, spec.ctx) * spec.token_bytes  # K + V rows of every sequence
     if kv.depth == 0:
-        return RingPlan(0, 1, slot, None)
+        return RingPlan(0, slot, None)
     if kv.budget_mib == "auto":
         budget, said = (total_bytes or 0) * RING_SHARE, "auto: 1/16 of the device's memory"
     else:
@@ -99,11 +102,13 @@ def ring_plan(spec: KVSpec, kv: KVConfig, free_bytes: int | None = None, total_b
             return f"the ring needs {ring / MiB:.1f} MiB but only {free_bytes / MiB:.0f} MiB of device memory is free"
         return None
 
-    for depth in range(kv.depth, 0, -1):
+    asked = misfit(kv.depth)
+    if asked is None:
+        return RingPlan(kv.depth, slot, None)
+    for depth in range(kv.depth - 1, 0, -1):
         if misfit(depth) is None:
-            note = None if depth == kv.depth else f"-kvpd {kv.depth}: {misfit(kv.depth)}; look-ahead {depth} fits"
-            return RingPlan(depth, depth + 2, slot, None, note)
-    return RingPlan(0, 1, slot, misfit(1))
+            return RingPlan(depth, slot, None, f"-kvpd {kv.depth}: {asked}; look-ahead {depth} fits")
+    return RingPlan(0, slot, misfit(1))
 
 
 class HostKVCache(KVCache):
@@ -308,11 +313,11 @@ class HostKVCache(KVCache):
             least = self._agree(plan.depth)
             if least < plan.depth:
                 if least == 0:
-                    plan = RingPlan(0, 1, plan.slot_bytes, "another rank's ring does not fit "
+                    plan = RingPlan(0, plan.slot_bytes, "another rank's ring does not fit "
                                     "(the ranks of a split run decline together)")
                 else:
-                    plan = RingPlan(least, least + 2, plan.slot_bytes, None, f"-kvpd {self.kv.depth}: another "
-                                    f"rank's ring fits only look-ahead {least}, and the ranks of a split run run alike")
+                    plan = RingPlan(least, plan.slot_bytes, None, f"-kvpd {self.kv.depth}: another rank's ring "
+                                    f"fits only look-ahead {least}, and the ranks of a split run run alike")
         if plan.reason:
             log.warning("pipelined KV transport declined, running ordered: %s", plan.reason)
         elif plan.note:
