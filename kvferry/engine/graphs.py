@@ -30,6 +30,12 @@ def _capture(fns, dev, outs: list) -> list:
     return graphs
 
 
+def _put_inputs(inp: torch.Tensor, tokens, *rows) -> None:
+    """Copy a pass's host values (the token ids, then `rows`) into a graph's static input."""
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    inp.copy_(torch.tensor([ids, *rows], dtype=torch.long).pin_memory(), non_blocking=True)
+
+
 class DecodeGraphs:
     """CUDA graphs for decode passes of N tokens (one per sequence): eager PyTorch spends
     more host time launching a layer's ~25 small kernels than the GPU spends running them,
@@ -78,8 +84,7 @@ class DecodeGraphs:
 
     def run(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
         model = self.model
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        self.inp.copy_(torch.tensor([ids, batch.positions()], dtype=torch.long).pin_memory(), non_blocking=True)
+        _put_inputs(self.inp, tokens, batch.positions())
         cache.begin(batch)
         try:
             att = model.attention_pass(batch, cache)
@@ -140,9 +145,7 @@ class ResidentDecodeGraph:
     def run(self, tokens, batch: Batch, cache: DeviceKVCache) -> torch.Tensor:
         if self.cache_ref() is not cache:
             raise ValueError("this decode graph was captured for another cache")
-        ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-        self.inp.copy_(torch.tensor([ids, batch.positions(), batch.seq_ids], dtype=torch.long).pin_memory(),
-                       non_blocking=True)
+        _put_inputs(self.inp, tokens, batch.positions(), batch.seq_ids)
         cache.begin(batch)
         try:
             self.graph.replay()
