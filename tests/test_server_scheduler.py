@@ -80,6 +80,17 @@ def test_decode_steps_are_timed_with_the_kv_bytes_they_attend():
     assert [b for _, b in steps] == [40, 80, 40]
     assert all(sec == 1 for sec, _ in steps), "one clock tick before the decode, one after sampling"
 
+    class DeviceTimed(FakeEngine):  # an engine that times its decode passes itself (CUDA)
+        def last_decode_seconds(self):
+            return 0.25
+
+    steps.clear()
+    s = Scheduler(DeviceTimed(), lambda cfg: (lambda logits: logits), 4, metrics, clock=lambda: next(ticks))
+    s.submit(_params(3, max_tokens=3), lambda e: None)
+    for _ in range(3):
+        s.step()
+    assert steps and all(sec == 0.25 for sec, _ in steps)
+
 
 def test_one_big_chunk_would_stall_the_decodes():
     # negative control: with -ub as large as the prompt, the whole prompt runs in one pass
@@ -119,3 +130,25 @@ def test_finish_reasons_and_stop_strings():
     for _ in range(5):
         s.step()
     assert "".join(e.text for e in ev if e.kind == "text") == "bcd" and ev[-1].finish_reason == "length"
+
+
+def test_events_go_out_after_the_next_engine_call_is_issued_and_before_its_result_is_read():
+    """A step's tokens reach the sinks once the next decode has been issued and before its
+    logits are sampled (on a GPU: while the engine thread waits on the device), and the last
+    step's events go out at once, with no engine call after them."""
+    eng = FakeEngine(script=lambda slot, pos: pos)
+    order = eng.calls
+
+    def make_sampler(cfg):
+        def sample(logits):
+            order.append(("sample",))
+            return logits
+        return sample
+
+    s = Scheduler(eng, make_sampler, 4)
+    s.submit(_params(2, max_tokens=3), lambda e: order.append(("event", e.kind, e.text)))
+    for _ in range(4):
+        s.step()
+    seq = [c[0] if c[0] != "event" else c[1] + ":" + c[2] for c in order if c[0] != "reset"]
+    assert seq == ["prefill", "sample", "decode", "text:b", "sample", "decode", "text:c", "sample",
+                   "text:d", "done:"]

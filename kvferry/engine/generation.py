@@ -67,6 +67,7 @@ class Engine:
         warn_beyond_training(cfg.ctx_size, mc)
         self.kv_spec = self.spec_for(cfg)
         self.cache: KVCache | None = self.make_cache(cfg, progress) if with_cache else None
+        self._decode_events: list | None = None  # CUDA: the last decode pass's start and end
         log.info("model %s: %d layers, %.1fM params, %s on %s; KV %s %.1f MiB %s", mc.name, mc.num_layers,
                  mc.num_params / 1e6, DTYPE_NAMES[self.dtype], self.device, self.kv_spec.kv_type,
                  self.kv_spec.total_bytes / 2**20, "in host memory" if cfg.kv.offload else "on the device")
@@ -125,8 +126,27 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, seq_ids: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        """One new token for each sequence -> logits (B, vocab)."""
-        return self.runner.forward(list(tokens), Batch(list(seq_ids), list(positions), [1] * len(seq_ids)), self.cache)
+        """One new token for each sequence -> logits (B, vocab). On CUDA the pass is timed on
+        the device (last_decode_seconds)."""
+        batch = Batch(list(seq_ids), list(positions), [1] * len(seq_ids))
+        if self.device.type != "cuda":
+            return self.runner.forward(list(tokens), batch, self.cache)
+        if self._decode_events is None:
+            self._decode_events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        self._decode_events[0].record()
+        logits = self.runner.forward(list(tokens), batch, self.cache)
+        self._decode_events[1].record()
+        return logits
+
+    def last_decode_seconds(self) -> float | None:
+        """The last decode pass's time on the device, from when the device reached it (work
+        issued before it, such as a prefill chunk still running, is not counted) to its
+        logits; waits for them. None off CUDA, where a pass's host time is its time."""
+        if self.device.type != "cuda" or self._decode_events is None:
+            return None
+        start, end = self._decode_events
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
 
     def warm_up(self) -> float:
         """One decode step of 1 .. num_seqs sequences at position 0, then the slots are reset:

@@ -10,7 +10,10 @@ matched on the text, which is held back while it may still become one) and its f
 
 Must not import torch or know HTTP: the engine and the sampler factory are handed in (the
 tests drive this with a fake engine), and events go to each request's `sink` callable, called
-on the engine thread.
+on the engine thread. A step's events are handed out after the next engine call has been
+issued, before its result is waited for: the sinks wake the HTTP event loop, whose work then
+runs while this thread waits on the device (which releases the GIL) instead of contending
+with it for the GIL while it issues the next step's launches and copies.
 
 Prefill passes are the ones `kvferry run` makes (the same chunks of -ub tokens from position
 0), so greedy output equals run's; decode passes batch whoever is running, which on CPU changes
@@ -110,6 +113,7 @@ class Scheduler:
         self.accepting = True
         self._stop = False
         self._deadline: float | None = None  # draining: running requests are cancelled after it
+        self._pending: list[tuple[Callable[[Event], None], Event]] = []  # events not yet handed out
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, params: GenParams, sink: Callable[[Event], None]) -> Job:
@@ -164,8 +168,9 @@ class Scheduler:
                 while not self.running and not self.waiting and not self._stop:
                     self._cv.wait()
                 if self._stop and not self.running:
-                    return
+                    break
             self.step()
+        self._deliver()
 
     def step(self) -> None:
         """One scheduling step: free cancelled slots, admit, one prefill chunk, one batched decode."""
@@ -182,6 +187,13 @@ class Scheduler:
         dec = [j for j in self.running if not j.prefilling]
         if dec:
             self._decode(dec)
+        if not self.running:  # no engine call comes next to hand the events out after
+            self._deliver()
+
+    def _deliver(self) -> None:
+        pending, self._pending = self._pending, []
+        for sink, ev in pending:
+            sink(ev)
 
     def _admit(self) -> None:
         with self._cv:
@@ -207,6 +219,7 @@ class Scheduler:
             log.exception("prefill failed")
             self._fail(job, f"prefill failed: {e}")
             return
+        self._deliver()
         job.prefilled += len(part)
         if not job.prefilling:
             self.metrics.prompt_tokens(len(ids))
@@ -217,6 +230,7 @@ class Scheduler:
         t0 = self.clock()
         try:
             logits = self.engine.decode([j.slot for j in jobs], [j.last for j in jobs], [j.pos for j in jobs])
+            self._deliver()
             tokens = [j.sampler(logits[r]) for r, j in enumerate(jobs)]  # the step ends when its tokens are known
         except Exception as e:
             log.exception("decode failed")
@@ -224,6 +238,11 @@ class Scheduler:
                 self._fail(j, f"decode failed: {e}")
             return
         dt = self.clock() - t0
+        # on a GPU the engine times the pass on the device: the clock would also count a
+        # prefill chunk issued just before it and still running there
+        on_device = getattr(self.engine, "last_decode_seconds", lambda: None)()
+        if on_device is not None:
+            dt = on_device
         self.metrics.decode_step(dt, sum(j.pos + 1 for j in jobs) * self.kv_token_bytes)
         log.debug("decode step: %d sequences, %.2f ms", len(jobs), 1e3 * dt)
         for j, token in zip(jobs, tokens):
@@ -263,7 +282,7 @@ class Scheduler:
         out = text[job.sent:upto]
         job.sent = max(job.sent, upto)
         if out or token_ids:
-            job.sink(Event("text", text=out, token_ids=token_ids if job.stream is None else []))
+            self._pending.append((job.sink, Event("text", text=out, token_ids=token_ids if job.stream is None else [])))
         return hit
 
     def _finish(self, job: Job, reason: str) -> None:
@@ -273,12 +292,13 @@ class Scheduler:
         self._free(job)
         n = len(job.params.prompt_ids)
         self.metrics.finished(reason, job.num_generated, job.t_first, self.clock())
-        job.sink(Event("done", finish_reason=reason, prompt_tokens=n, completion_tokens=job.num_generated))
+        self._pending.append((job.sink, Event("done", finish_reason=reason, prompt_tokens=n,
+                                              completion_tokens=job.num_generated)))
 
     def _fail(self, job: Job, message: str) -> None:
         self._free(job)
         self.metrics.finished("error", job.num_generated, job.t_first, self.clock())
-        job.sink(Event("error", text=message))
+        self._pending.append((job.sink, Event("error", text=message)))
 
     def _free(self, job: Job) -> None:
         with self._cv:
