@@ -93,13 +93,14 @@ def test_a_decode_pass_is_timed_from_when_the_device_reaches_it():
     eng = _engine(1)
     eng.cache.reset(0)
     eng.prefill(0, list(range(1, 10)))
-    eng.decode([0], [1], [9])
+    eng.decode([0], [1], [9])  # captures the graph
+    eng.decode([0], [1], [10])
     alone = eng.last_decode_seconds()
     a = torch.randn(4096, 4096, device="cuda")
     for _ in range(40):  # tens of ms of matmuls queued ahead of the next pass
         a = a @ a.T / 64
     t0 = time.perf_counter()
-    eng.decode([0], [1], [10])
+    eng.decode([0], [1], [11])
     timed = eng.last_decode_seconds()
     wall = time.perf_counter() - t0
-    assert 0 < timed < wall / 4 and timed < 10 * alone, (alone, timed, wall)
+    assert 0 < timed < wall / 4 and timed < 3 * alone, (alone, timed, wall)

@@ -152,3 +152,12 @@ def test_events_go_out_after_the_next_engine_call_is_issued_and_before_its_resul
     seq = [c[0] if c[0] != "event" else c[1] + ":" + c[2] for c in order if c[0] != "reset"]
     assert seq == ["prefill", "sample", "decode", "text:b", "sample", "decode", "text:c", "sample",
                    "text:d", "done:"]
+    # before a prefill chunk they go out first (on CPU the chunk is computed in the call)
+    order.clear()
+    s.submit(_params(2, max_tokens=3), lambda e: order.append(("event", e.kind, e.text)))
+    s.step()
+    s.submit(_params(4), lambda e: order.append(("event", e.kind, e.text)))
+    s.step()
+    seq = [c[0] if c[0] != "event" else c[1] + ":" + c[2] for c in order if c[0] != "reset"]
+    assert seq == ["prefill", "sample", "decode", "text:b", "sample", "text:c", "prefill", "sample", "decode",
+                   "text:d", "sample", "sample"], seq

@@ -10,10 +10,12 @@ matched on the text, which is held back while it may still become one) and its f
 
 Must not import torch or know HTTP: the engine and the sampler factory are handed in (the
 tests drive this with a fake engine), and events go to each request's `sink` callable, called
-on the engine thread. A step's events are handed out after the next engine call has been
-issued, before its result is waited for: the sinks wake the HTTP event loop, whose work then
-runs while this thread waits on the device (which releases the GIL) instead of contending
-with it for the GIL while it issues the next step's launches and copies.
+on the engine thread. A step's events are handed out once the next decode has been issued,
+before its result is waited for: the sinks wake the HTTP event loop, whose work then runs
+while this thread waits on the device (which releases the GIL) instead of contending with it
+for the GIL while it issues the decode's launches and copies (the ring's copies go out as
+the layers are issued, so a late host idles the link). Before a prefill chunk, and at the end
+of a step after which nothing runs, they go out at once.
 
 Prefill passes are the ones `kvferry run` makes (the same chunks of -ub tokens from position
 0), so greedy output equals run's; decode passes batch whoever is running, which on CPU changes
@@ -209,6 +211,9 @@ class Scheduler:
     def _prefill_chunk(self, job: Job) -> None:
         ids, p = job.params.prompt_ids, job.prefilled
         part = ids[p:p + self.ubatch]
+        # out before the chunk, not after it: on CPU the call computes the whole chunk (a GPU
+        # only queues it, but nothing there waits on these launches the way a decode's copies do)
+        self._deliver()
         try:
             if p == 0:
                 self.engine.cache.reset(job.slot)
@@ -219,7 +224,6 @@ class Scheduler:
             log.exception("prefill failed")
             self._fail(job, f"prefill failed: {e}")
             return
-        self._deliver()
         job.prefilled += len(part)
         if not job.prefilling:
             self.metrics.prompt_tokens(len(ids))
