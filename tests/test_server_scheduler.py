@@ -132,7 +132,7 @@ def test_finish_reasons_and_stop_strings():
     assert "".join(e.text for e in ev if e.kind == "text") == "bcd" and ev[-1].finish_reason == "length"
 
 
-def test_events_go_out_after_the_next_engine_call_is_issued_and_before_its_result_is_read():
+def test_events_go_out_after_the_next_decode_is_issued_and_before_a_prefill_chunk():
     """A step's tokens reach the sinks once the next decode has been issued and before its
     logits are sampled (on a GPU: while the engine thread waits on the device), and the last
     step's events go out at once, with no engine call after them."""
