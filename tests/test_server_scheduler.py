@@ -131,33 +131,3 @@ def test_finish_reasons_and_stop_strings():
         s.step()
     assert "".join(e.text for e in ev if e.kind == "text") == "bcd" and ev[-1].finish_reason == "length"
 
-
-def test_events_go_out_after_the_next_decode_is_issued_and_before_a_prefill_chunk():
-    """A step's tokens reach the sinks once the next decode has been issued and before its
-    logits are sampled (on a GPU: while the engine thread waits on the device), and the last
-    step's events go out at once, with no engine call after them."""
-    eng = FakeEngine(script=lambda slot, pos: pos)
-    order = eng.calls
-
-    def make_sampler(cfg):
-        def sample(logits):
-            order.append(("sample",))
-            return logits
-        return sample
-
-    s = Scheduler(eng, make_sampler, 4)
-    s.submit(_params(2, max_tokens=3), lambda e: order.append(("event", e.kind, e.text)))
-    for _ in range(4):
-        s.step()
-    seq = [c[0] if c[0] != "event" else c[1] + ":" + c[2] for c in order if c[0] != "reset"]
-    assert seq == ["prefill", "sample", "decode", "text:b", "sample", "decode", "text:c", "sample",
-                   "text:d", "done:"]
-    # before a prefill chunk they go out first (on CPU the chunk is computed in the call)
-    order.clear()
-    s.submit(_params(2, max_tokens=3), lambda e: order.append(("event", e.kind, e.text)))
-    s.step()
-    s.submit(_params(4), lambda e: order.append(("event", e.kind, e.text)))
-    s.step()
-    seq = [c[0] if c[0] != "event" else c[1] + ":" + c[2] for c in order if c[0] != "reset"]
-    assert seq == ["prefill", "sample", "decode", "text:b", "sample", "text:c", "prefill", "sample", "decode",
-                   "text:d", "sample", "sample"], seq

@@ -10,12 +10,7 @@ matched on the text, which is held back while it may still become one) and its f
 
 Must not import torch or know HTTP: the engine and the sampler factory are handed in (the
 tests drive this with a fake engine), and events go to each request's `sink` callable, called
-on the engine thread. A step's events are handed out once the next decode has been issued,
-before its result is waited for: the sinks wake the HTTP event loop, whose work then runs
-while this thread waits on the device (which releases the GIL) instead of contending with it
-for the GIL while it issues the decode's launches and copies (the ring's copies go out as
-the layers are issued, so a late host idles the link). Before a prefill chunk, and at the end
-of a step after which nothing runs, they go out at once.
+on the engine thread.
 
 Prefill passes are the ones `kvferry run` makes (the same chunks of -ub tokens from position
 0), so greedy output equals run's; decode passes batch whoever is running, which on CPU changes
@@ -115,7 +110,6 @@ class Scheduler:
         self.accepting = True
         self._stop = False
         self._deadline: float | None = None  # draining: running requests are cancelled after it
-        self._pending: list[tuple[Callable[[Event], None], Event]] = []  # events not yet handed out
 
     # -- any thread ---------------------------------------------------------------------------
     def submit(self, params: GenParams, sink: Callable[[Event], None]) -> Job:
@@ -170,9 +164,8 @@ class Scheduler:
                 while not self.running and not self.waiting and not self._stop:
                     self._cv.wait()
                 if self._stop and not self.running:
-                    break
+                    return
             self.step()
-        self._deliver()
 
     def step(self) -> None:
         """One scheduling step: free cancelled slots, admit, one prefill chunk, one batched decode."""
@@ -189,13 +182,6 @@ class Scheduler:
         dec = [j for j in self.running if not j.prefilling]
         if dec:
             self._decode(dec)
-        if not self.running:  # no engine call comes next to hand the events out after
-            self._deliver()
-
-    def _deliver(self) -> None:
-        pending, self._pending = self._pending, []
-        for sink, ev in pending:
-            sink(ev)
 
     def _admit(self) -> None:
         with self._cv:
@@ -211,9 +197,6 @@ class Scheduler:
     def _prefill_chunk(self, job: Job) -> None:
         ids, p = job.params.prompt_ids, job.prefilled
         part = ids[p:p + self.ubatch]
-        # out before the chunk, not after it: on CPU the call computes the whole chunk (a GPU
-        # only queues it, but nothing there waits on these launches the way a decode's copies do)
-        self._deliver()
         try:
             if p == 0:
                 self.engine.cache.reset(job.slot)
@@ -234,7 +217,6 @@ class Scheduler:
         t0 = self.clock()
         try:
             logits = self.engine.decode([j.slot for j in jobs], [j.last for j in jobs], [j.pos for j in jobs])
-            self._deliver()
             tokens = [j.sampler(logits[r]) for r, j in enumerate(jobs)]  # the step ends when its tokens are known
         except Exception as e:
             log.exception("decode failed")
@@ -286,7 +268,7 @@ class Scheduler:
         out = text[job.sent:upto]
         job.sent = max(job.sent, upto)
         if out or token_ids:
-            self._pending.append((job.sink, Event("text", text=out, token_ids=token_ids if job.stream is None else [])))
+            job.sink(Event("text", text=out, token_ids=token_ids if job.stream is None else []))
         return hit
 
     def _finish(self, job: Job, reason: str) -> None:
@@ -296,13 +278,12 @@ class Scheduler:
         self._free(job)
         n = len(job.params.prompt_ids)
         self.metrics.finished(reason, job.num_generated, job.t_first, self.clock())
-        self._pending.append((job.sink, Event("done", finish_reason=reason, prompt_tokens=n,
-                                              completion_tokens=job.num_generated)))
+        job.sink(Event("done", finish_reason=reason, prompt_tokens=n, completion_tokens=job.num_generated))
 
     def _fail(self, job: Job, message: str) -> None:
         self._free(job)
         self.metrics.finished("error", job.num_generated, job.t_first, self.clock())
-        self._pending.append((job.sink, Event("error", text=message)))
+        job.sink(Event("error", text=message))
 
     def _free(self, job: Job) -> None:
         with self._cv:
