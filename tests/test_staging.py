@@ -233,3 +233,46 @@ def test_native_queue_is_the_default_where_it_builds():
         assert isinstance(q.h2d, want) and isinstance(q.d2h, want)
     finally:
         q.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ring_queue_copies_bytes_after_its_waits():
+    """The pinned ring's queue (StreamQueue: runtime memcpys on its copy stream) moves unaligned
+    ranges both ways and waits for the events it is given (negative control: without the wait
+    it reads a tensor a slow kernel is still producing); a strided tensor is refused."""
+    from kvferry.transport import hostmem
+    from kvferry.transport.events import Compute
+    from kvferry.transport.queues import StreamQueue
+    dev = torch.device("cuda", 0)
+    host = hostmem.alloc_host(4 << 20)
+    unpin = hostmem.pin(host, "test")
+    q = StreamQueue(dev)
+    try:
+        src = _random_bytes(1 << 20, 3)
+        host[OFF:OFF + src.numel()].copy_(src)
+        d = torch.zeros(2 << 20, dtype=torch.uint8, device=dev)
+        done = q.event("done")
+        q.submit([(d[OFF:OFF + src.numel()], host[OFF:OFF + src.numel()])], signal=done)
+        q.fence()
+        assert torch.equal(d[OFF:OFF + src.numel()].cpu(), src) and not d[:OFF].any()
+
+        def trip(wait: bool) -> bool:
+            x = torch.zeros(1 << 20, dtype=torch.uint8, device=dev)
+            ev = q.event("produced")
+            torch.cuda._sleep(200_000_000)  # ~0.1 s of device time before the values exist
+            x.fill_(7)
+            Compute(dev).record(ev)
+            out = host[2 << 20:(2 << 20) + x.numel()]
+            out.zero_()
+            q.submit([(out, x)], waits=[ev] if wait else [], signal=done)
+            q.fence()
+            torch.cuda.synchronize()
+            return bool((out == 7).all())
+
+        assert trip(True)
+        assert not trip(False), "the copy did not need the wait: the test shows nothing"
+        with pytest.raises(ValueError, match="contiguous"):
+            q.submit([(d[:1024:2], host[:512])])
+    finally:
+        q.close()
+        unpin()

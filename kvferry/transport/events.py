@@ -60,20 +60,30 @@ class SlotEvent:
 
 
 class Compute:
-    """The compute side's half of the ordering, on the device's current stream."""
+    """The compute side's half of the ordering, on the device's current stream: the one that
+    `begin()` found at a pass's start (looking it up per call costs host time per layer), or
+    the current one at each call before any pass."""
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.stream = None
+
+    def begin(self) -> None:
+        if self.device.type == "cuda":
+            self.stream = torch.cuda.current_stream(self.device)
+
+    def _stream(self):
+        return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)
 
     def wait(self, ev: SlotEvent) -> None:
         """Work queued after this reads what ``ev`` guards only once it is there."""
         ev.wait_host(ev.armed)
         if ev.cuda is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev.cuda)
+            self._stream().wait_event(ev.cuda)
 
     def record(self, ev: SlotEvent) -> None:
         """Mark the point after the work queued so far."""
         g = ev.arm()
         if ev.cuda is not None:
-            ev.cuda.record(torch.cuda.current_stream(self.device))
+            ev.cuda.record(self._stream())
         ev.mark(g)  # on CPU compute is synchronous: done when recorded

@@ -19,6 +19,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvferry.transport.cudart import runtime
+
 log = logging.getLogger(__name__)
 
 _SRC = Path(__file__).with_name("pump.c")
@@ -140,20 +142,6 @@ def _build() -> Path | None:
     return out
 
 
-def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime PyTorch loaded (its handles are the ones this process uses)."""
-    import torch
-    torch.cuda.init()
-    with open("/proc/self/maps") as f:
-        paths = {ln.split()[-1] for ln in f if "libcudart" in ln and ln.split()[-1].startswith("/")}
-    for p in sorted(paths):
-        try:
-            return ctypes.CDLL(p)
-        except OSError:
-            continue
-    return None
-
-
 def load_pump(cuda: bool) -> Pump | None:
     with _LOCK:
         if cuda in _LOADED:
@@ -163,7 +151,7 @@ def load_pump(cuda: bool) -> Pump | None:
             so = _build()
             if so is not None:
                 funcs = None
-                rt = _cudart() if cuda else None
+                rt = runtime() if cuda else None
                 if cuda and rt is None:
                     log.info("staging: PyTorch's CUDA runtime library not found, using the Python copy loop")
                 else:

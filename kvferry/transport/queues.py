@@ -6,7 +6,8 @@ submitted), then marks `signal`; it returns at once. `fence()` makes the host wa
 job submitted so far; `close()` fences and stops the queue.
 
   StreamQueue   CUDA, pinned host memory: copies issued straight onto the queue's copy
-                stream; ordering is stream to stream (wait_event / record).
+                stream (runtime calls: cudart.py); ordering is stream to stream
+                (wait_event / record).
   ThreadQueue   a Python thread that runs jobs in order. On CPU it stands in for the copy
                 engine (SlotEvents' host counters in place of CUDA events), so the transport's
                 ordering and its races run where CI runs.
@@ -70,36 +71,40 @@ class CopyQueue:
 
 
 class StreamQueue(CopyQueue):
-    """Pinned host memory on CUDA: the copies go straight onto a copy stream."""
+    """Pinned host memory on CUDA: the copies go straight onto a copy stream, each one a runtime
+    call (cudart.Memcpy: PyTorch's copy_ costs several times its host time, per layer and step)."""
 
     def __init__(self, device, delay_s=None, seed=0):
         super().__init__(device, delay_s, seed)
+        from kvferry.transport.cudart import Memcpy
         self.stream = torch.cuda.Stream(device)
+        self._handle = self.stream.cuda_stream
+        self._memcpy = Memcpy()
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._busy = 0.0
 
     def submit(self, pairs, waits=(), signal=None, keep=()):
         stream = self.stream
-        with torch.cuda.stream(stream):
-            for ev in waits:
-                ev.wait_host(ev.armed)  # recorded on its stream (a worker may record it)
-                stream.wait_event(ev.cuda)
-            if self.delay_s:
+        for ev in waits:
+            ev.wait_host(ev.armed)  # recorded on its stream (a worker may record it)
+            stream.wait_event(ev.cuda)
+        if self.delay_s:
+            with torch.cuda.stream(stream):
                 torch.cuda._sleep(int(self._delay() * 1.5e9))
-            if self.timing:
-                t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                t0.record(stream)
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            if self.timing:
-                t1.record(stream)
-                self._timed.append((t0, t1))
-            for t in keep:  # device tensors read or written on this stream
-                t.record_stream(stream)
-            if signal is not None:
-                g = signal.arm()
-                signal.cuda.record(stream)
-                signal.mark(g)
+        if self.timing:
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record(stream)
+        for dst, src in pairs:
+            self._memcpy(dst, src, self._handle)
+        if self.timing:
+            t1.record(stream)
+            self._timed.append((t0, t1))
+        for t in keep:  # device tensors read or written on this stream
+            t.record_stream(stream)
+        if signal is not None:
+            g = signal.arm()
+            signal.cuda.record(stream)
+            signal.mark(g)
 
     def fence(self):
         self.stream.synchronize()
