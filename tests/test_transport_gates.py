@@ -177,6 +177,44 @@ def test_slow_write_backs_change_nothing():
     _assert_same({"device": ref, "slow-write-backs": got})
 
 
+
+def test_graph_passes_write_back_once_per_pass():
+    """A decode pass on CUDA graphs hands its rows over as static buffers, and the cache writes
+    all layers' rows back in one job, once the last layer's exist. On CPU (no graphs) this
+    marks every pass's rows static (held here, as a graph's outputs are), with slow write-backs:
+    the output stays the device cache's, one write-back job per pass. Negative control:
+    without the next pass's wait for that job, the gate catches the early reads."""
+    ref_eng = _engine({}, np_=8)
+    prompts = _prompts(ref_eng, 8)
+    ref = _run(ref_eng, prompts, 6)
+    eng = _engine(dict(offload=True, depth=2), np_=8)
+    held, jobs, slow = [], [], {1: (0.01, 0.02)}
+
+    def as_graph_passes(eng):
+        cache = eng.cache
+        write, submit = cache.write_codes, cache.writeback.submit
+
+        def write_static(layer, kq, vq, static=False):
+            held.append((kq, vq))
+            write(layer, kq, vq, static=True)
+
+        def count(pairs, *a, **k):
+            jobs.append(len(pairs))
+            submit(pairs, *a, **k)
+        cache.write_codes, cache.writeback.submit = write_static, count
+
+    old = _with_cache(eng, _delay_s=slow)
+    as_graph_passes(eng)
+    try:
+        got = _run(eng, prompts, 6)
+        passes = eng.cache.steps
+    finally:
+        _restore(eng, old)
+    assert len(jobs) == passes and all(n % (2 * eng.kv_spec.num_layers) == 0 for n in jobs), (jobs, passes)
+    _assert_same({"device": ref, "graph-write-backs": got})
+    assert caught(eng, prompts, ref, 6, slow, check=as_graph_passes, _unsafe_skip_writeback_wait=True)
+
+
 @pytest.mark.parametrize("broken", [{}, dict(_unsafe_skip_writeback_wait=True)])
 def test_pageable_deliveries_behind_slow_write_backs(broken):
     """Pageable host KV: deliveries and write-backs on the staging queues (the compiled worker

@@ -8,7 +8,8 @@ chunk that are already in host memory ("stable prefix", below the first row this
 writes), packed into one device slot at the sequence's batch index. This pass's new
 rows never cross the link early: they are quantized on the device, written into the
 slot there ("late"), and copied back to host memory asynchronously ("write-back") on a
-second copy lane, after an event the compute side records once the rows exist. Write-backs
+second copy lane, as one job per pass after an event the compute side records once the last
+layer's rows exist. Write-backs
 wait for compute, so on the delivery lane they would hold up every delivery queued behind
 them; on their own lane they do not, and a pass's first delivery waits only for the
 previous pass's write-backs (whose rows it may read).
@@ -336,6 +337,7 @@ class HostKVCache(KVCache):
     # -- per pass ------------------------------------------------------------------------
     def begin(self, batch):
         super().begin(batch)
+        self.compute.begin()
         spec, c = self.spec, self.spec.chunk_rows
         self._nchunks = batch.num_chunks(c)
         # chunks 0 .. nres - 1 are read in place on the device; units are the ferried rest
@@ -355,6 +357,7 @@ class HostKVCache(KVCache):
             self._issued = 0
             pf = None
         self._new = [None] * spec.num_layers
+        self._wb_jobs, self._wb_keep = [], []  # this pass's write-backs, submitted by _write_back
         # per ferried chunk: where this pass's new rows land in its slot (at their batch index)
         self._late = [None] * self._nres  # resident chunks get their rows in _store
         self._late += [plan_writes(batch, i * c, (i + 1) * c, False, self.device)
@@ -433,23 +436,35 @@ class HostKVCache(KVCache):
         self._new[layer] = (kq, vq)
         if self.resident is not None:
             self.resident.store(layer, kq, vq)
-        jobs = []
-        b = self.batch
+        jobs, b = self._wb_jobs, self.batch
         if len(b.seq_ids) == 1:
             s = b.seq_ids[0]
-            jobs = [(self._hk[layer][s][b.starts[0]:b.ends[0]], kq), (self._hv[layer][s][b.starts[0]:b.ends[0]], vq)]
+            jobs += [(self._hk[layer][s][b.starts[0]:b.ends[0]], kq), (self._hv[layer][s][b.starts[0]:b.ends[0]], vq)]
         else:
             for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
                 o0, o1 = b.offsets[j], b.offsets[j + 1]
                 jobs.append((self._hk[layer][s][start:end], kq[o0:o1]))
                 jobs.append((self._hv[layer][s][start:end], vq[o0:o1]))
         self._step["writeback"] += 2 * kq.numel()
+        if not static:  # an eager pass's rows: copied now, so their memory is not held to the end
+            self._wb_keep += [kq, vq]
+            self._write_back()
+        elif layer == self.spec.num_layers - 1:
+            self._write_back()
+
+    def _write_back(self):
+        """The write-backs gathered so far as one job. A CUDA graph pass (decode) makes one per
+        pass, once the last layer's rows exist (the earlier layers' exist by then too): per
+        layer, a submit and its events cost more host time than its two small copies. The next
+        pass's first delivery waits for them (begin)."""
+        if not self._wb_jobs:
+            return
         # the copy side must not read the rows before the compute side has produced them
         self.compute.record(self.rows_written)
         # static buffers (CUDA graph outputs) are never freed, and the next pass waits for
         # these copies before overwriting them (begin()); other tensors are kept from reuse
-        self.writeback.submit(jobs, [self.rows_written], self.wb_done[self.steps % 2],
-                              keep=() if static else [kq, vq])
+        self.writeback.submit(self._wb_jobs, [self.rows_written], self.wb_done[self.steps % 2], keep=self._wb_keep)
+        self._wb_jobs, self._wb_keep = [], []
 
     def _slots(self, layer):
         """Per chunk of the layer: (chunk index, slot), once the slot holds the chunk (its
@@ -489,6 +504,7 @@ class HostKVCache(KVCache):
 
     def end(self):
         batch = self.batch
+        self._write_back()  # a pass that stopped before its last layer
         super().end()
         self._unit += self._units
         self.steps += 1
