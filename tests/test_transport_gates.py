@@ -178,16 +178,18 @@ def test_slow_write_backs_change_nothing():
 
 
 
-def test_graph_passes_write_back_once_per_pass():
+@pytest.mark.parametrize("pinned", [True, False])
+def test_graph_passes_write_back_once_per_pass(pinned):
     """A decode pass on CUDA graphs hands its rows over as static buffers, and the cache writes
     all layers' rows back in one job, once the last layer's exist. On CPU (no graphs) this
     marks every pass's rows static (held here, as a graph's outputs are), with slow write-backs:
-    the output stays the device cache's, one write-back job per pass. Negative control:
-    without the next pass's wait for that job, the gate catches the early reads."""
+    the output stays the device cache's, one write-back job per pass, pinned and pageable (the
+    staging queue). Negative control: without the next pass's wait for that job, the gate
+    catches the early reads."""
     ref_eng = _engine({}, np_=8)
     prompts = _prompts(ref_eng, 8)
     ref = _run(ref_eng, prompts, 6)
-    eng = _engine(dict(offload=True, depth=2), np_=8)
+    eng = _engine(dict(offload=True, depth=2, pinned=pinned), np_=8)
     held, jobs, slow = [], [], {1: (0.01, 0.02)}
 
     def as_graph_passes(eng):
@@ -204,6 +206,7 @@ def test_graph_passes_write_back_once_per_pass():
         cache.write_codes, cache.writeback.submit = write_static, count
 
     old = _with_cache(eng, _delay_s=slow)
+    assert eng.cache.pinned == pinned
     as_graph_passes(eng)
     try:
         got = _run(eng, prompts, 6)
