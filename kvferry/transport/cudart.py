@@ -16,6 +16,8 @@ import threading
 
 import torch
 
+from kvferry import KvferryError
+
 _LOCK = threading.Lock()
 _RT: list = []  # [CDLL or None] once looked up
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers (unified addressing)
@@ -50,7 +52,9 @@ class Memcpy:
     def __init__(self):
         rt = runtime()
         if rt is None:
-            raise RuntimeError("PyTorch's CUDA runtime library was not found in this process")
+            raise KvferryError("PyTorch's CUDA runtime library (libcudart) is not loaded in this process, and the "
+                               "pinned host KV cache copies through it: use --no-kv-pinned (copies through the staging "
+                               "buffer) or a PyTorch build that loads libcudart")
         fn = ctypes.PyDLL(rt._name).cudaMemcpyAsync
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
