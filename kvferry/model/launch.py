@@ -27,6 +27,11 @@ class Launch:
         names = list(kernel.arg_names)
         self.tail = tuple(consts[n] for n in names[len(names) - len(consts):])  # constexprs come last
         self.compiled = {}
+        if not interpreted:  # the current stream as Triton's own launcher asks for it (one C call;
+            # torch.cuda.current_stream builds a Stream object in Python, per launch)
+            from triton.runtime import driver
+            self._stream = driver.active.get_current_stream
+            self._index = device.index if device.index is not None else torch.cuda.current_device()
 
     def __call__(self, grid, *args):
         if self.interpreted:
@@ -35,4 +40,4 @@ class Launch:
         run = self.compiled.get(key)
         if run is None:
             run = self.compiled[key] = self.kernel.warmup(*args, grid=grid, **self.consts, **self.options)
-        run[grid + (1,) * (3 - len(grid))](*args, *self.tail, stream=torch.cuda.current_stream(self.device).cuda_stream)
+        run[grid + (1,) * (3 - len(grid))](*args, *self.tail, stream=self._stream(self._index))
