@@ -177,7 +177,6 @@ def test_slow_write_backs_change_nothing():
     _assert_same({"device": ref, "slow-write-backs": got})
 
 
-
 @pytest.mark.parametrize("pinned", [True, False])
 def test_graph_passes_write_back_once_per_pass(pinned):
     """A decode pass on CUDA graphs hands its rows over as static buffers, and the cache writes

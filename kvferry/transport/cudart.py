@@ -6,7 +6,8 @@ pinned ring's copies (queues.StreamQueue), which the host issues per layer and s
 there: `Tensor.copy_(non_blocking=True)` goes through the dispatcher, a TensorIterator and the
 pinned-memory bookkeeping before it reaches cudaMemcpyAsync, and needs the copy stream made
 current around it; at 4k context that host time, per layer, is what the step waits for (see
-docs/results.md, "host time of a step"). The call here is the runtime call alone.
+docs/results.md, the 4k host rows of the decode-kernel table). The call here is the runtime
+call alone.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ class Memcpy:
             raise KvferryError("PyTorch's CUDA runtime library (libcudart) is not loaded in this process, and the "
                                "pinned host KV cache copies through it: use --no-kv-pinned (copies through the staging "
                                "buffer) or a PyTorch build that loads libcudart")
-        fn = ctypes.PyDLL(rt._name).cudaMemcpyAsync
+        lib = ctypes.PyDLL(rt._name)
+        fn = lib.cudaMemcpyAsync
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        err = ctypes.PyDLL(rt._name).cudaGetErrorString
+        err = lib.cudaGetErrorString
         err.argtypes, err.restype = [ctypes.c_int], ctypes.c_char_p
         self._fn, self._err = fn, err
 

@@ -9,10 +9,9 @@ writes), packed into one device slot at the sequence's batch index. This pass's 
 rows never cross the link early: they are quantized on the device, written into the
 slot there ("late"), and copied back to host memory asynchronously ("write-back") on a
 second copy lane, as one job per pass after an event the compute side records once the last
-layer's rows exist. Write-backs
-wait for compute, so on the delivery lane they would hold up every delivery queued behind
-them; on their own lane they do not, and a pass's first delivery waits only for the
-previous pass's write-backs (whose rows it may read).
+layer's rows exist. Write-backs wait for compute, so on the delivery lane they would hold up
+every delivery queued behind them; on their own lane they do not, and a pass's first delivery
+waits only for the previous pass's write-backs (whose rows it may read).
 
 Ring: look-ahead depth N >= 1 uses N + 2 slots; N = 0 (ordered) uses one slot, copy
 then compute in series. Each slot has two events:
