@@ -3,7 +3,8 @@
 Device-resident, host ordered (-kvpd 0) and host pipelined (-kvpd 1, 4) must give the same
 token ids and bitwise-equal last-step logits, for one sequence and for 8 concurrent
 sequences with different prompts (each carrying a unique nonce). The same under random
-delays on the copy path. Negative controls (skip the `ready` wait, recycle a slot early,
+delays on the copy path. On CUDA (`pytest --device cuda`, where the decode kernel reads the
+codes) every KV type runs these three; the CPU oracle runs the float cache and q8_0. Negative controls (skip the `ready` wait, recycle a slot early,
 skip the write-back wait, trust a wrong prefetch) show that the gate catches a broken ordering.
 """
 
@@ -13,8 +14,10 @@ import uuid
 import pytest
 import torch
 
+import conftest
 from conftest import make_engine
 from kvferry.config import KVConfig, SamplingConfig
+from kvferry.kv import quant
 from kvferry.kv.cache import KVSpec
 from kvferry.transport.host_cache import HostKVCache, ring_plan
 
@@ -25,6 +28,8 @@ PLACEMENTS = {
     "host-kvpd1": dict(offload=True, depth=1),
     "host-kvpd4": dict(offload=True, depth=4),
 }
+# every KV type where the decode kernel runs (CUDA); the CPU oracle keeps a float and a block type
+KV_TYPES = list(quant.KV_TYPES) if conftest.DEVICE == "cuda" else ["auto", "q8_0"]
 TOPICS = ["lighthouses", "bread", "volcanoes", "chess", "rivers", "bees", "comets", "violins"]
 
 
@@ -62,7 +67,7 @@ def _assert_same(results):
             assert torch.equal(a, b), f"{name}: last logits of sequence {j} differ bitwise"
 
 
-@pytest.mark.parametrize("kv_type", ["auto", "q8_0"])
+@pytest.mark.parametrize("kv_type", KV_TYPES)
 def test_one_sequence_byte_identical_across_placements(kv_type):
     prompts = None
     results = {}
@@ -73,11 +78,12 @@ def test_one_sequence_byte_identical_across_placements(kv_type):
     _assert_same(results)
 
 
-def test_eight_sequences_byte_identical_across_placements():
+@pytest.mark.parametrize("kv_type", KV_TYPES[:1] if conftest.DEVICE == "cpu" else KV_TYPES)
+def test_eight_sequences_byte_identical_across_placements(kv_type):
     prompts = None
     results = {}
     for name, kv in PLACEMENTS.items():
-        eng = _engine(kv, np_=8)
+        eng = _engine(kv, np_=8, kv_type=kv_type)
         prompts = prompts or _prompts(eng, 8)
         results[name] = _run(eng, prompts, 40)
     _assert_same(results)
@@ -97,13 +103,14 @@ def _restore(eng, old):
     eng.cache = old
 
 
-def test_random_copy_delays_change_nothing_over_1000_decode_steps():
-    ref_eng = _engine({}, np_=8)
+@pytest.mark.parametrize("kv_type", KV_TYPES[:1] if conftest.DEVICE == "cpu" else KV_TYPES)
+def test_random_copy_delays_change_nothing_over_1000_decode_steps(kv_type):
+    ref_eng = _engine({}, np_=8, kv_type=kv_type)
     prompts = _prompts(ref_eng, 8)
     ref = _run(ref_eng, prompts, 64)
     steps = 0
     for depth in (0, 1, 4):
-        eng = _engine(dict(offload=True, depth=depth), np_=8)
+        eng = _engine(dict(offload=True, depth=depth), np_=8, kv_type=kv_type)
         for seed in range(2):
             old = _with_cache(eng, _delay_s=(0.0, 3e-4), _seed=seed)
             try:
