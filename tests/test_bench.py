@@ -3,9 +3,11 @@
 import csv
 import io
 import json
+import re
 import sys
 
 import pytest
+import torch
 
 from conftest import run_cli
 from kvferry import KvferryError
@@ -157,6 +159,16 @@ def test_link_probe_runs_on_cpu():
     r = run_cli("bench", "--link", "--device", "cpu", "--link-mib", "8")
     assert r.returncode == 0, r.stderr
     assert "| size MiB |" in r.stdout and "| 8 |" in r.stdout and "device memory" in r.stdout
+    assert re.search(r"matrix products [0-9.]+ ms alone, [0-9.]+ ms beside 64 MiB copies at [0-9.]+ GB/s \([+-][0-9.]+%\)",
+                     r.stdout), r.stdout
+
+
+def test_contention_probe_times_the_work_while_the_copies_run():
+    from kvferry.bench.link import probe_contention
+    r = probe_contention(torch.device("cpu"), copy_mib=8, reps=1)
+    assert r["alone_ms"] > 0 and r["beside_ms"] > 0
+    assert r["copy_gbps"] > 0.5, "the copies must have run beside the timed work"
+    assert r["slowdown_pct"] == round(100 * (r["beside_ms"] / r["alone_ms"] - 1), 1)
 
 
 def test_kv_accuracy_sees_the_encoding_and_nothing_else():

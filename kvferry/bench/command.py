@@ -54,7 +54,9 @@ def _add_flags(p) -> None:
                         "and log each arm's top kernels per step (CUDA; ops on CPU) from a profiled pass of up "
                         "to 8 untimed steps (json: top_ops)")
     p.add_argument("--link", action="store_true",
-                   help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned")
+                   help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned; the "
+                        "device's memory; and one-token matrix products timed alone and beside host-to-device "
+                        "copies (what the ring's copies cost the device's own work)")
     p.add_argument("--link-mib", default=None,
                    help="copy sizes of the link probe in MiB, comma list (default: 1,4,16,64,256,1024,4096 "
                         "with --link; 256 for a benchmark's own link figure)")
@@ -186,7 +188,7 @@ def cmd_bench(a) -> int:
 
 
 def _link_only(a) -> int:
-    from kvferry.bench.link import link_sweep, probe_device_memory, sweep_table
+    from kvferry.bench.link import link_sweep, probe_contention, probe_device_memory, sweep_table
     from kvferry.engine.runner import resolve_device
     from kvferry.transport.staging import StagedQueues
     from tqdm import tqdm
@@ -197,11 +199,15 @@ def _link_only(a) -> int:
         rows = link_sweep(dev, staged, a.link_mib, progress=bar.update)
         bar.close()
         mem = probe_device_memory(dev)
+        beside = probe_contention(dev)
     finally:
         staged.close()
     if a.output == "md":
         print(sweep_table(rows))
         print(f"\ndevice memory: {mem:.1f} GB/s (device-to-device copy, read + write)")
+        print(f"device work beside host-to-device copies: one-token matrix products {beside['alone_ms']:.2f} ms "
+              f"alone, {beside['beside_ms']:.2f} ms beside {beside['copy_mib']} MiB copies at "
+              f"{beside['copy_gbps']:.1f} GB/s ({beside['slowdown_pct']:+.1f}%)")
     else:
-        print(json.dumps(dict(rows=rows, device_memory_gbps=round(mem, 1))))
+        print(json.dumps(dict(rows=rows, device_memory_gbps=round(mem, 1), copy_contention=beside)))
     return 0

@@ -9,7 +9,9 @@ copy of the same size in the same run.
 
 from __future__ import annotations
 
+import math
 import statistics
+import threading
 import time
 
 import torch
@@ -118,6 +120,71 @@ def sweep_table(rows: list[dict]) -> str:
                    f"{r['h2d_single_pct']:.0f}% | {r['h2d_stream_pct']:.0f}% | {r['d2h_pinned']:.1f} | "
                    f"{r['d2h_single_pct']:.0f}% | {r['d2h_stream_pct']:.0f}% |")
     return "\n".join(out)
+
+
+def probe_contention(device: torch.device, copy_mib: int = 64, reps: int = 3) -> dict:
+    """How much a stream of host-to-device copies slows the device's own memory-bound work, as
+    the ring's copies run beside a decode step: one-token matrix products over Llama-3-8B's
+    gate+up weights (4096 x 28672 bf16; smaller, f32, on CPU) timed alone and beside back-to-back
+    pinned copies of `copy_mib` MiB on another stream (on CPU: a thread copying host memory).
+    Returns alone_ms, beside_ms, slowdown_pct and the copies' GB/s while they ran."""
+    cuda = device.type == "cuda"
+    k, n, iters = (4096, 28672, 100) if cuda else (1024, 4096, 20)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    w = torch.randn(k, n, device=device, dtype=dtype)
+    x = torch.randn(1, k, device=device, dtype=dtype)
+    src = torch.empty(copy_mib * MiB, dtype=torch.uint8, pin_memory=cuda).fill_(5)
+    dst = torch.empty(copy_mib * MiB, dtype=torch.uint8, device=device)
+
+    def work():
+        for _ in range(iters):
+            x @ w
+    work()  # warm-up
+    if cuda:
+        side = torch.cuda.Stream(device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
+        def timed(ncopies):
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(side):
+                events[2].record(side)
+                for _ in range(ncopies):
+                    dst.copy_(src, non_blocking=True)
+                events[3].record(side)
+            events[0].record()
+            work()
+            events[1].record()
+            torch.cuda.synchronize(device)
+            gbps = _gbps(ncopies * src.nbytes, events[2].elapsed_time(events[3])) if ncopies else 0.0
+            return events[0].elapsed_time(events[1]), gbps
+        alone = statistics.median(timed(0)[0] for _ in range(reps))
+        # enough copies to outlast the work at 64 GB/s, above a PCIe 5.0 x16 link's rate
+        ncopies = max(2, math.ceil(2 * alone * 1e-3 * 64e9 / src.nbytes))
+        runs = [timed(ncopies) for _ in range(reps)]
+    else:
+        def timed(with_copies):
+            stop, copied = threading.Event(), [0]
+
+            def copier():
+                while not stop.is_set():
+                    dst.copy_(src)
+                    copied[0] += src.nbytes
+            t = threading.Thread(target=copier, daemon=True) if with_copies else None
+            if t:
+                t.start()
+            t0 = time.perf_counter()
+            work()
+            ms = (time.perf_counter() - t0) * 1e3
+            stop.set()
+            if t:
+                t.join()
+            return ms, _gbps(copied[0], ms) if with_copies else 0.0
+        alone = statistics.median(timed(False)[0] for _ in range(reps))
+        runs = [timed(True) for _ in range(reps)]
+    beside = statistics.median(ms for ms, _ in runs)
+    return dict(copy_mib=copy_mib, alone_ms=round(alone, 3), beside_ms=round(beside, 3),
+                slowdown_pct=round(100 * (beside / alone - 1), 1),
+                copy_gbps=round(statistics.median(g for _, g in runs), 1))
 
 
 def probe_device_memory(device: torch.device, size_mib: int = 1024, reps: int = 5) -> float:
