@@ -142,21 +142,21 @@ def probe_contention(device: torch.device, copy_mib: int = 64, reps: int = 3) ->
     work()  # warm-up
     if cuda:
         side = torch.cuda.Stream(device)
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        w0, w1, c0, c1 = (torch.cuda.Event(enable_timing=True) for _ in range(4))  # work, copies
 
         def timed(ncopies):
             torch.cuda.synchronize(device)
             with torch.cuda.stream(side):
-                events[2].record(side)
+                c0.record(side)
                 for _ in range(ncopies):
                     dst.copy_(src, non_blocking=True)
-                events[3].record(side)
-            events[0].record()
+                c1.record(side)
+            w0.record()
             work()
-            events[1].record()
+            w1.record()
             torch.cuda.synchronize(device)
-            gbps = _gbps(ncopies * src.nbytes, events[2].elapsed_time(events[3])) if ncopies else 0.0
-            return events[0].elapsed_time(events[1]), gbps
+            gbps = _gbps(ncopies * src.nbytes, c0.elapsed_time(c1)) if ncopies else 0.0
+            return w0.elapsed_time(w1), gbps
         alone = statistics.median(timed(0)[0] for _ in range(reps))
         # enough copies to outlast the work at 64 GB/s, above a PCIe 5.0 x16 link's rate
         ncopies = max(2, math.ceil(2 * alone * 1e-3 * 64e9 / src.nbytes))
@@ -169,16 +169,16 @@ def probe_contention(device: torch.device, copy_mib: int = 64, reps: int = 3) ->
                 while not stop.is_set():
                     dst.copy_(src)
                     copied[0] += src.nbytes
-            t = threading.Thread(target=copier, daemon=True) if with_copies else None
-            if t:
+            t = threading.Thread(target=copier, daemon=True)
+            if with_copies:
                 t.start()
             t0 = time.perf_counter()
             work()
             ms = (time.perf_counter() - t0) * 1e3
             stop.set()
-            if t:
+            if with_copies:
                 t.join()
-            return ms, _gbps(copied[0], ms) if with_copies else 0.0
+            return ms, _gbps(copied[0], ms)
         alone = statistics.median(timed(False)[0] for _ in range(reps))
         runs = [timed(True) for _ in range(reps)]
     beside = statistics.median(ms for ms, _ in runs)
