@@ -28,7 +28,7 @@ class KVConfig:
     # The ring then has 4 slots, not 3; where only 3 fit, ring_plan runs depth 1.
     depth: int = 2
     # -kvpb: cap on the ring's device memory in MiB, 0 = no cap, or "auto" (a share of the
-    # device's memory, transport/host_cache.RING_SHARE)
+    # device's memory, transport/ring.RING_SHARE)
     budget_mib: float | str = "auto"
     # rows of one attention/delivery chunk (bounds the ring); "auto": kv/quant.chunk_rows
     chunk_rows: int | str = "auto"

@@ -18,7 +18,7 @@ from conftest import make_engine
 from kvferry import KvferryError
 from kvferry.config import KVConfig, SamplingConfig
 from kvferry.kv.cache import KVSpec
-from kvferry.transport.host_cache import HEADROOM_BYTES
+from kvferry.transport.ring import HEADROOM_BYTES
 from kvferry.transport.residency import fit_chunks, resident_bytes, resident_plan
 from test_transport_gates import CHUNK, _assert_same, _prompts, _restore, _run, _with_cache, caught
 

@@ -20,7 +20,8 @@ from conftest import make_engine
 from kvferry.config import KVConfig, SamplingConfig
 from kvferry.kv import quant
 from kvferry.kv.cache import KVSpec
-from kvferry.transport.host_cache import HostKVCache, ring_plan
+from kvferry.transport.host_cache import HostKVCache
+from kvferry.transport.ring import ring_plan
 
 CHUNK = 24  # small chunks: a 100-token context spans several chunks and slots
 PLACEMENTS = {
