@@ -119,6 +119,6 @@ def test_pageable_host_cache_is_in_huge_pages():
     spec = KVSpec(num_layers=2, num_seqs=1, ctx=8192, num_kv_heads=4, head_dim=128, kv_type="f16",
                   chunk_rows=1024)
     cache = HostKVCache(spec, KVConfig(offload=True, pinned=False, depth=1), torch.device("cpu"), torch.float32)
-    for t in (*cache.host_k, *cache.host_v):
+    for t in cache.host_kv:  # one allocation per layer (K and V)
         assert t.data_ptr() % hostmem.HUGE_PAGE == 0
         assert _huge_bytes_at(t.data_ptr()) >= t.nbytes // 2, "a host cache layer is not in huge pages"
