@@ -21,7 +21,8 @@ def _spec(num_seqs=2):
 
 def test_pitched_reads_rows_at_a_pitch():
     kv = torch.zeros(3, 2, 10, 4, 8, dtype=torch.uint8)  # (seqs, K/V, rows, H, row bytes)
-    assert cudart.pitched(kv[1]) == (kv[1].data_ptr(), 2 * 10 * 32, 2 * 10 * 32, 1)  # contiguous: one row
+    assert cudart.pitched(kv[1]) == (kv[1].data_ptr(), 10 * 32, 10 * 32, 2)  # contiguous: pitch = width
+    assert cudart.pitched(kv[1].view(-1)) == (kv[1].data_ptr(), 2 * 10 * 32, 2 * 10 * 32, 1)
     unit = kv[1][:, :6]  # six rows of K and of V
     assert cudart.pitched(unit) == (unit.data_ptr(), 10 * 32, 6 * 32, 2)
     with pytest.raises(ValueError, match="rows along dim 0"):
@@ -94,5 +95,8 @@ def test_memcpy_pitched_on_cuda(max_pitch):
     stream.synchronize()
     assert torch.equal(dev[:, :250].cpu(), host[:, 500:750])
     assert not dev[:, 250:].any(), "the copy wrote past its rows"
+    mc(dev, host[:, 100:400], stream.cuda_stream)  # a whole slot (contiguous) from rows at a pitch
+    stream.synchronize()
+    assert torch.equal(dev.cpu(), host[:, 100:400])
     with pytest.raises(ValueError, match="one size"):
         mc(dev[:, :250], host[:, :249], stream.cuda_stream)

@@ -46,15 +46,18 @@ def _find() -> ctypes.CDLL | None:
 
 
 def pitched(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(address, pitch, width, height) of a copy operand, in bytes: a contiguous tensor is one
-    row of all its bytes; otherwise dim 0 counts `height` rows, each contiguous (t[i]) and
-    `pitch` bytes after the one before (a ring unit's K and V rows, slices of one allocation)."""
-    if t.is_contiguous():
+    """(address, pitch, width, height) of a copy operand, in bytes: dim 0 counts `height` rows,
+    each contiguous (t[i]) and `pitch` bytes after the one before (a ring unit's K and V, slices
+    of one allocation); a contiguous tensor's pitch is its width. A 1-D tensor is one row."""
+    if t.dim() < 2 or t.shape[0] <= 1:
+        if not t.is_contiguous():
+            raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
         return t.data_ptr(), t.nbytes, t.nbytes, 1
-    if t.dim() > 1 and t[0].is_contiguous():
-        return t.data_ptr(), t.stride(0) * t.element_size(), t[0].nbytes, t.shape[0]
-    raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
-                     f"{tuple(t.shape)} strides {t.stride()}")
+    if not t[0].is_contiguous():
+        raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+    return t.data_ptr(), t.stride(0) * t.element_size(), t[0].nbytes, t.shape[0]
 
 
 class Memcpy:
@@ -95,7 +98,7 @@ class Memcpy:
                              f"{tuple(src.shape)} {src.dtype}")
         if not width:
             return
-        if height == 1 or dpitch == spitch == width:
+        if height == 1 or dpitch == spitch == width:  # contiguous bytes
             self._check(self._fn(dp, sp, width * height, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
         elif max(dpitch, spitch) <= self.max_pitch:
             self._check(self._fn2(dp, dpitch, sp, spitch, width, height, MEMCPY_DEFAULT, stream),
