@@ -22,6 +22,7 @@ from kvferry import KvferryError
 _LOCK = threading.Lock()
 _RT: list = []  # [CDLL or None] once looked up
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction follows from the pointers (unified addressing)
+DEV_ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch: the largest pitch a 2D copy takes
 
 
 def runtime() -> ctypes.CDLL | None:
@@ -44,11 +45,29 @@ def _find() -> ctypes.CDLL | None:
     return None
 
 
+def pitched(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(address, pitch, width, height) of a copy operand, in bytes: dim 0 counts `height` rows,
+    each contiguous (t[i]) and `pitch` bytes after the one before (a ring unit's K and V, slices
+    of one allocation); a contiguous tensor's pitch is its width. A 1-D tensor is one row."""
+    if t.dim() < 2 or t.shape[0] <= 1:
+        if not t.is_contiguous():
+            raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+        return t.data_ptr(), t.nbytes, t.nbytes, 1
+    if not t[0].is_contiguous():
+        raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
+                         f"{tuple(t.shape)} strides {t.stride()}")
+    return t.data_ptr(), t.stride(0) * t.element_size(), t[0].nbytes, t.shape[0]
+
+
 class Memcpy:
-    """memcpy(dst, src, stream): an asynchronous copy of a contiguous tensor's bytes onto
-    `stream`, for pinned host memory and device memory (either way). The function holds the GIL
-    (PyDLL): the call returns in microseconds, and releasing the GIL there would let another
-    thread's Python run in the middle of a step's issue."""
+    """memcpy(dst, src, stream): an asynchronous copy onto `stream`, for pinned host memory and
+    device memory (either way). Operands as `pitched` reads them: two contiguous tensors are one
+    cudaMemcpyAsync; rows at a pitch are one cudaMemcpy2DAsync, so a ring unit's K and V (two
+    rows of one allocation) are one copy, not two (docs/results.md: at 4k an 8 MiB copy moved
+    slower than a 16 MiB one). The function holds the GIL (PyDLL): the call returns in
+    microseconds, and releasing the GIL there would let another thread's Python run in the
+    middle of a step's issue."""
 
     def __init__(self):
         rt = runtime()
@@ -60,16 +79,35 @@ class Memcpy:
         fn = lib.cudaMemcpyAsync
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
+        fn2 = lib.cudaMemcpy2DAsync
+        fn2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                        ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn2.restype = ctypes.c_int
         err = lib.cudaGetErrorString
         err.argtypes, err.restype = [ctypes.c_int], ctypes.c_char_p
-        self._fn, self._err = fn, err
+        self._fn, self._fn2, self._err = fn, fn2, err
+        value = ctypes.c_int(0)
+        lib.cudaDeviceGetAttribute(ctypes.byref(value), DEV_ATTR_MAX_PITCH, torch.cuda.current_device())
+        self.max_pitch = value.value  # 0 where unknown: rows are then copied one by one
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
-        n = src.nbytes
-        if dst.nbytes != n or not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError(f"a ring copy needs two contiguous tensors of one size; got {tuple(dst.shape)} "
-                             f"{dst.dtype} and {tuple(src.shape)} {src.dtype}")
-        if n:
-            rc = self._fn(dst.data_ptr(), src.data_ptr(), n, MEMCPY_DEFAULT, stream)
-            if rc:
-                raise RuntimeError(f"cudaMemcpyAsync failed: {self._err(rc).decode()} (error {rc})")
+        dp, dpitch, width, height = pitched(dst)
+        sp, spitch, swidth, sheight = pitched(src)
+        if (width, height) != (swidth, sheight):
+            raise ValueError(f"a ring copy needs operands of one size; got {tuple(dst.shape)} {dst.dtype} and "
+                             f"{tuple(src.shape)} {src.dtype}")
+        if not width:
+            return
+        if height == 1 or dpitch == spitch == width:  # contiguous bytes
+            self._check(self._fn(dp, sp, width * height, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+        elif max(dpitch, spitch) <= self.max_pitch:
+            self._check(self._fn2(dp, dpitch, sp, spitch, width, height, MEMCPY_DEFAULT, stream),
+                        "cudaMemcpy2DAsync")
+        else:  # a pitch over the device's limit (a host context of gigabytes per row)
+            for i in range(height):
+                self._check(self._fn(dp + i * dpitch, sp + i * spitch, width, MEMCPY_DEFAULT, stream),
+                            "cudaMemcpyAsync")
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise RuntimeError(f"{what} failed: {self._err(rc).decode()} (error {rc})")

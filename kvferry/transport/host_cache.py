@@ -1,7 +1,10 @@
 """Host-resident KV cache with ordered and pipelined delivery to the device.
 
-Host layout is the device cache's: per layer K and V as uint8 (num_seqs, ctx, H, row_bytes),
-so one sequence's stable rows of one chunk are one contiguous copy.
+Host layout: per layer one allocation (num_seqs, 2, ctx, H, row_bytes), K then V of each
+sequence, so `host_k[layer]` and `host_v[layer]` are the device cache's (num_seqs, ctx, H,
+row_bytes) as views; the slots are alike, (num_seqs, 2, slot_rows, H, row_bytes). One sequence's
+stable rows of one chunk are then one copy for K and V together (two rows at a pitch,
+cudart.pitched), not two.
 
 A delivery unit is (layer, chunk): for every sequence in the batch, the rows of that
 chunk that are already in host memory ("stable prefix", below the first row this pass
@@ -112,11 +115,11 @@ class HostKVCache(KVCache):
         self.depth, self.decline_reason = self._plan.depth, self._plan.reason
         n, device = self.num_slots, self.device
         try:
-            shape = (self.spec.num_seqs, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
-            self.slot_k = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
-            self.slot_v = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
-            self._sk = [[t[j] for j in range(shape[0])] for t in self.slot_k]  # per batch index
-            self._sv = [[t[j] for j in range(shape[0])] for t in self.slot_v]
+            shape = (self.spec.num_seqs, 2, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
+            slots = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
+            self.slot_k = [t[:, 0] for t in slots]
+            self.slot_v = [t[:, 1] for t in slots]
+            self._skv = [[t[j] for j in range(shape[0])] for t in slots]  # per batch index: (2, rows, H, rb)
         except torch.OutOfMemoryError:
             raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
                                "lower --kv-chunk or -np") from None
@@ -186,7 +189,7 @@ class HostKVCache(KVCache):
     def _alloc_host(self, progress) -> bool:
         """Allocate (and pin, if asked and possible) the host cache; returns whether it is pinned."""
         spec = self.spec
-        shape = spec.layer_shape()
+        shape = (spec.num_seqs, 2, *spec.layer_shape()[1:])
         nbytes = math.prod(shape)
         pin = self.kv.pinned
         ram = hostmem.memory_bytes()[0]
@@ -195,30 +198,32 @@ class HostKVCache(KVCache):
                         "copies go through the staging buffer", spec.total_bytes / 2**30,
                         100 * MAX_PINNED_SHARE, ram / 2**30)
             pin = False
-        self.host_k, self.host_v, self._unpins = [], [], []
+        self.host_kv, self._unpins = [], []
         bar = tqdm(total=spec.num_layers, desc="host KV alloc" + (" + pin" if pin else ""), unit="layer",
                    leave=False, disable=(not progress) or spec.total_bytes < (1 << 30) or None)
         pin_s, t_start = 0.0, time.perf_counter()
         for _ in range(spec.num_layers):
-            for lst in (self.host_k, self.host_v):
-                t = hostmem.alloc_host(nbytes)  # huge pages where the system gives them
-                t.zero_()  # every page now, with progress, not at the first decode steps
-                if pin:
-                    t0 = time.perf_counter()
-                    try:
-                        self._unpins.append(hostmem.pin(t, "the host KV cache"))
-                    except hostmem.PinError as e:
-                        log.warning("host KV: %s; the cache stays pageable, copies go through the staging "
-                                    "buffer", e)
-                        self._unpin()
-                        pin = False
-                    pin_s += time.perf_counter() - t0
-                lst.append(t.view(shape))
+            t = hostmem.alloc_host(nbytes)  # huge pages where the system gives them
+            t.zero_()  # every page now, with progress, not at the first decode steps
+            if pin:
+                t0 = time.perf_counter()
+                try:
+                    self._unpins.append(hostmem.pin(t, "the host KV cache"))
+                except hostmem.PinError as e:
+                    log.warning("host KV: %s; the cache stays pageable, copies go through the staging "
+                                "buffer", e)
+                    self._unpin()
+                    pin = False
+                pin_s += time.perf_counter() - t0
+            self.host_kv.append(t.view(shape))
             bar.update()
         bar.close()
         if pin and pin_s > 0.5:
             log.info("host KV: allocated in %.1f s, of which pinning %.1f s", time.perf_counter() - t_start, pin_s)
+        self.host_k = [t[:, 0] for t in self.host_kv]
+        self.host_v = [t[:, 1] for t in self.host_kv]
         # per layer and sequence: views made once, so a copy's source is one slice per step
+        self._hkv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_kv]
         self._hk = [[t[q] for q in range(spec.num_seqs)] for t in self.host_k]
         self._hv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_v]
         return pin
@@ -338,8 +343,7 @@ class HostKVCache(KVCache):
             if n <= 0:
                 continue
             r0 = i * c
-            jobs.append((self._sk[slot][j][:n], self._hk[layer][s][r0:r0 + n]))
-            jobs.append((self._sv[slot][j][:n], self._hv[layer][s][r0:r0 + n]))
+            jobs.append((self._skv[slot][j][:, :n], self._hkv[layer][s][:, r0:r0 + n]))  # K and V
             sent += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
         waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
