@@ -49,14 +49,12 @@ def pitched(t: torch.Tensor) -> tuple[int, int, int, int]:
     """(address, pitch, width, height) of a copy operand, in bytes: dim 0 counts `height` rows,
     each contiguous (t[i]) and `pitch` bytes after the one before (a ring unit's K and V, slices
     of one allocation); a contiguous tensor's pitch is its width. A 1-D tensor is one row."""
-    if t.dim() < 2 or t.shape[0] <= 1:
-        if not t.is_contiguous():
-            raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
-                             f"{tuple(t.shape)} strides {t.stride()}")
-        return t.data_ptr(), t.nbytes, t.nbytes, 1
-    if not t[0].is_contiguous():
+    one_row = t.dim() < 2 or t.shape[0] <= 1
+    if not (t.is_contiguous() if one_row else t[0].is_contiguous()):
         raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
                          f"{tuple(t.shape)} strides {t.stride()}")
+    if one_row:
+        return t.data_ptr(), t.nbytes, t.nbytes, 1
     return t.data_ptr(), t.stride(0) * t.element_size(), t[0].nbytes, t.shape[0]
 
 
