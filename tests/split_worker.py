@@ -31,7 +31,10 @@ PLACEMENTS = {"device": {}, "host-ordered": dict(offload=True, depth=0),
 CONTROLS = {  # each breaks one ordering; the delays make the break show (as in test_transport_gates.py)
     "skip_ready": (dict(_unsafe_skip_ready=True), (1e-3, 4e-3), 24),
     "early_recycle": (dict(_unsafe_early_recycle=True), (1e-3, 4e-3), 24),
-    "skip_writeback_wait": (dict(_unsafe_skip_writeback_wait=True), {1: (0.01, 0.02)}, 6),
+    # write-backs slower than under one process: in a layer split each rank idles while the
+    # other computes, and its write-backs catch up there (10-20 ms missed in 3 of 3 seeds once
+    # in CI, layer2, on a loaded 2-core machine)
+    "skip_writeback_wait": (dict(_unsafe_skip_writeback_wait=True), {1: (0.04, 0.08)}, 6),
     "trust_prefetch": (dict(_unsafe_trust_prefetch=True), None, 6),
 }
 
