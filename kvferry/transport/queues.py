@@ -3,8 +3,9 @@
 A queue runs jobs in submission order. `submit(pairs, waits, signal, keep)` queues the copies
 of `pairs` (dst, src) of one shape, each tensor contiguous or rows along dim 0 that are (a
 ring unit's K and V, two rows of one allocation: `cudart.pitched`), to run after the `waits`
-(SlotEvents, at the generation armed when submitted), then marks `signal`; it returns at once. `fence()` makes the host wait for every
-job submitted so far; `close()` fences and stops the queue.
+(SlotEvents, at the generation armed when submitted), then marks `signal`; it returns at
+once. `fence()` makes the host wait for every job submitted so far; `close()` fences and
+stops the queue.
 
   StreamQueue   CUDA, pinned host memory: copies issued straight onto the queue's copy
                 stream (runtime calls: cudart.py); ordering is stream to stream
