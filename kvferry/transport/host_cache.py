@@ -223,9 +223,7 @@ class HostKVCache(KVCache):
         self.host_k = [t[:, 0] for t in self.host_kv]
         self.host_v = [t[:, 1] for t in self.host_kv]
         # per layer and sequence: views made once, so a copy's source is one slice per step
-        self._hkv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_kv]
-        self._hk = [[t[q] for q in range(spec.num_seqs)] for t in self.host_k]
-        self._hv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_v]
+        self._hkv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_kv]  # (2, ctx, H, rb)
         return pin
 
     def _unpin(self) -> None:
@@ -388,13 +386,13 @@ class HostKVCache(KVCache):
             self.resident.store(layer, kq, vq)
         jobs, b = self._wb_jobs, self.batch
         if len(b.seq_ids) == 1:
-            s = b.seq_ids[0]
-            jobs += [(self._hk[layer][s][b.starts[0]:b.ends[0]], kq), (self._hv[layer][s][b.starts[0]:b.ends[0]], vq)]
+            h, start, end = self._hkv[layer][b.seq_ids[0]], b.starts[0], b.ends[0]
+            jobs += [(h[0, start:end], kq), (h[1, start:end], vq)]
         else:
             for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
-                o0, o1 = b.offsets[j], b.offsets[j + 1]
-                jobs.append((self._hk[layer][s][start:end], kq[o0:o1]))
-                jobs.append((self._hv[layer][s][start:end], vq[o0:o1]))
+                h, o0, o1 = self._hkv[layer][s], b.offsets[j], b.offsets[j + 1]
+                jobs.append((h[0, start:end], kq[o0:o1]))
+                jobs.append((h[1, start:end], vq[o0:o1]))
         self._step["writeback"] += 2 * kq.numel()
         if not static:  # an eager pass's rows: copied now, so their memory is not held to the end
             self._wb_keep += [kq, vq]
