@@ -99,10 +99,19 @@ def test_device_budget_arm_reports_resident_share_and_bounds_by_the_ferried_byte
         assert x["bound_ms"] == pytest.approx(max(x["compute_ms"], x["copy_ms"]), abs=2e-3)
 
 
+def test_idle_time_is_what_no_span_covers():
+    from kvferry.bench.ops import idle_us
+    assert idle_us([]) == 0.0
+    assert idle_us([(0, 10), (5, 12), (20, 25), (21, 22), (30, 31)]) == 8 + 5  # overlaps and nesting
+    assert idle_us([(20, 25), (0, 10)]) == 10  # in any order
+    assert idle_us([(0, 10), (10, 20)]) == 0  # touching spans leave no gap
+
+
 def test_profile_splits_each_step_into_host_and_wait_time():
     args = [*BENCH[:-4], "-nkvo", "0", "-d", "0", "-r", "1", "-c", "64", "--device", "cpu", "-p", "0", "-o", "json"]
     plain = json.loads(run_cli(*args).stdout)
     assert "host_ms" not in plain[0], "the split is only there with --profile"
+    assert "idle_ms" not in plain[0]
     r = run_cli(*args, "--profile")
     assert r.returncode == 0, r.stderr[-2000:]
     row, = json.loads(r.stdout)
@@ -113,6 +122,7 @@ def test_profile_splits_each_step_into_host_and_wait_time():
     assert [us for _, us, _ in ops] == sorted((us for _, us, _ in ops), reverse=True)
     assert any("linear" in name or "addmm" in name or "mm" in name for name, _, _ in ops[:3]), ops
     assert "top 12 by time per step" in r.stderr or "by time per step" in r.stderr
+    assert "idle_ms" not in row, "kernel idle time is a CUDA figure"
 
 
 @pytest.mark.parametrize("args,needle", [

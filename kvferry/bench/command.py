@@ -52,7 +52,8 @@ def _add_flags(p) -> None:
                    help="tg rows also split each step into host time (enqueueing the step: Python, launches, "
                         "copies issued) and the wait for the device after it (host-bound where the wait is ~0), "
                         "and log each arm's top kernels per step (CUDA; ops on CPU) from a profiled pass of up "
-                        "to 8 untimed steps (json: top_ops)")
+                        "to 8 untimed steps (json: top_ops; on CUDA also idle_ms, the step's time with no kernel "
+                        "running)")
     p.add_argument("--link", action="store_true",
                    help="only probe the link: pinned, pageable and staged copies per size, as %% of pinned; the "
                         "device's memory; and one-token matrix products timed alone and beside host-to-device "

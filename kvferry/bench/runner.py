@@ -172,8 +172,9 @@ class Bench:
                     for i in range(len(self.arms)):
                         self._use_arm(i)
                         steps = min(n, 8)
-                        stats[i]["ops"] = op_table(lambda s=steps: self.run_test(kind, s, depth), steps, dev)
-                        log_table(f"{kind}{n} @ d{depth}, arm {i + 1} ({_arm_label(self.arms[i])})", stats[i]["ops"])
+                        ops, idle = op_table(lambda s=steps: self.run_test(kind, s, depth), steps, dev)
+                        stats[i].update(ops=ops, idle=idle)
+                        log_table(f"{kind}{n} @ d{depth}, arm {i + 1} ({_arm_label(self.arms[i])})", ops, idle)
                 rows += self._rows(kind, n, depth, times, stats, ref_tokens, link_gbps, mem_gbps, host)
         bar.close()
         return rows, dict(link=link, mem_gbps=mem_gbps)
@@ -230,6 +231,8 @@ class Bench:
                 if self.a.profile:  # host-bound where host_ms is close to the step
                     row.update(host_ms=round(host_ms[i] / per, 3), wait_ms=round(step_ms - host_ms[i] / per, 3),
                                top_ops=stats[i].get("ops", []))
+                    if stats[i].get("idle") is not None:  # CUDA: the step's time with no kernel running
+                        row["idle_ms"] = stats[i]["idle"]
                 # bytes the device reads per step: the weights and the KV codes of every layer
                 # (the decode kernel reads them as stored, so a quantized type reads fewer), from
                 # the cache itself or from the ring; a host arm's share shows how far the link
