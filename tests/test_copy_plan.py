@@ -2,6 +2,8 @@
 rows of a sequence in one allocation, two rows at a pitch (cudart.pitched), which the pinned
 queue issues as one cudaMemcpy2DAsync and the staged queues split into contiguous rows."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -100,3 +102,44 @@ def test_memcpy_pitched_on_cuda(max_pitch):
     assert torch.equal(dev.cpu(), host[:, 100:400])
     with pytest.raises(ValueError, match="one size"):
         mc(dev[:, :250], host[:, :249], stream.cuda_stream)
+
+
+class _HostMemcpy:
+    """cudart.Memcpy.linear on CPU memory (ctypes.memmove): the late writes' address
+    arithmetic (HostKVCache._copy_late, CUDA only) checked where CI runs. `skew` bytes off
+    the source: the negative control."""
+
+    def __init__(self, skew=0):
+        self.skew, self.calls = skew, 0
+
+    def linear(self, dst, src, nbytes, stream):
+        ctypes.memmove(dst, src + self.skew, nbytes)
+        self.calls += 1
+
+
+@pytest.mark.parametrize("np_", [1, 2])
+def test_late_writes_from_addresses_match_the_slice_copies(np_):
+    import conftest
+    from conftest import make_engine
+    from kvferry.config import SamplingConfig
+
+    def run(memcpy):
+        eng = make_engine(ctx_size=160, num_seqs=np_, kv=dict(offload=True, depth=1, chunk_rows=24))
+        old = eng.cache
+        eng.cache = HostKVCache(eng.kv_spec, eng.cfg.kv, eng.device, eng.dtype, progress=False)
+        eng.cache._memcpy = memcpy
+        try:
+            prompts = [eng.tokenizer.encode(f"Name {n} rivers and a bird:") for n in ("three", "five")[:np_]]
+            steps = list(eng.generate_batch(prompts, 12, SamplingConfig(temperature=0), stop_at_eog=False))
+        finally:
+            eng.cache.close()
+            eng.cache = old
+        return steps
+
+    ref = run(None)  # write_rows' slice copies
+    if CUDA and conftest.DEVICE == "cuda":  # the runtime's copies on the compute stream
+        assert run(cudart.Memcpy()) == ref
+        return
+    fake = _HostMemcpy()
+    assert run(fake) == ref and fake.calls >= 2 * 11 * np_, "the late writes did not go through the addresses"
+    assert run(_HostMemcpy(skew=16)) != ref, "a late write from the wrong address went unnoticed"

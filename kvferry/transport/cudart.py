@@ -97,7 +97,7 @@ class Memcpy:
         if not width:
             return
         if height == 1 or dpitch == spitch == width:  # contiguous bytes
-            self._check(self._fn(dp, sp, width * height, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+            self.linear(dp, sp, width * height, stream)
         elif max(dpitch, spitch) <= self.max_pitch:
             self._check(self._fn2(dp, dpitch, sp, spitch, width, height, MEMCPY_DEFAULT, stream),
                         "cudaMemcpy2DAsync")
@@ -105,6 +105,11 @@ class Memcpy:
             for i in range(height):
                 self._check(self._fn(dp + i * dpitch, sp + i * spitch, width, MEMCPY_DEFAULT, stream),
                             "cudaMemcpyAsync")
+
+    def linear(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        """nbytes from address src to address dst: for callers that computed the addresses
+        (a few integer operations cost less host time than the tensor views they stand for)."""
+        self._check(self._fn(dst, src, nbytes, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
 
     def _check(self, rc: int, what: str) -> None:
         if rc:

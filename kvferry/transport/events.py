@@ -67,10 +67,12 @@ class Compute:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = None
+        self.handle = None  # the stream's cudaStream_t, for runtime calls (cudart.Memcpy)
 
     def begin(self) -> None:
         if self.device.type == "cuda":
             self.stream = torch.cuda.current_stream(self.device)
+            self.handle = self.stream.cuda_stream
 
     def _stream(self):
         return self.stream if self.stream is not None else torch.cuda.current_stream(self.device)

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from kvferry import KvferryError
 from kvferry.config import KVConfig
 from kvferry.kv.cache import Batch, CodeSpan, KVCache, KVSpec, chunk_view, plan_writes, write_rows
-from kvferry.transport import hostmem
+from kvferry.transport import cudart, hostmem
 from kvferry.transport.events import Compute
 from kvferry.transport.queues import StreamQueue, ThreadQueue
 from kvferry.transport.residency import ResidentChunks, resident_plan
@@ -96,6 +96,8 @@ class HostKVCache(KVCache):
                 q.delay_s = delays.get(i)
         self.deliver, self.writeback = self.lanes
         self.compute = Compute(device)
+        # this pass's rows into the slots, on the compute stream (_write_late)
+        self._memcpy = cudart.Memcpy() if device.type == "cuda" and cudart.runtime() is not None else None
         self._build_ring()
         self._build_residency(fill=False)  # the host cache is all zeros, and so are new device rows
         self._unit = 0  # global unit counter: slot = unit % num_slots
@@ -120,6 +122,8 @@ class HostKVCache(KVCache):
             self.slot_k = [t[:, 0] for t in slots]
             self.slot_v = [t[:, 1] for t in slots]
             self._skv = [[t[j] for j in range(shape[0])] for t in slots]  # per batch index: (2, rows, H, rb)
+            self._slot_ptr = [t.data_ptr() for t in slots]  # and as addresses, with its byte strides:
+            self._slot_strides = slots[0].stride()[:3]  # batch entry, K to V, row
         except torch.OutOfMemoryError:
             raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
                                "lower --kv-chunk or -np") from None
@@ -433,8 +437,26 @@ class HostKVCache(KVCache):
 
     def _write_late(self, layer, i, slot):
         kq, vq = self._new[layer]
-        rows = write_rows(self.slot_k[slot], self.slot_v[slot], self._late[i], kq, vq)
+        plan = self._late[i]
+        if self._memcpy is not None and isinstance(plan, list) and kq.is_contiguous() and vq.is_contiguous():
+            rows = self._copy_late(plan, slot, kq, vq)
+        else:
+            rows = write_rows(self.slot_k[slot], self.slot_v[slot], plan, kq, vq)
         self._step["late"] += 2 * rows * self.spec.num_kv_heads * self.spec.row_bytes
+
+    def _copy_late(self, plan, slot, kq, vq) -> int:
+        """write_rows' slice copies as runtime calls on the compute stream, from addresses: per
+        layer and step, torch's two copy_ and the views they take were the largest host cost
+        of a 4k host pass after the ring's own copies (docs/results.md, "Host time of a 4k
+        pass"). Same copies, same bytes."""
+        base, (entry, kv, row) = self._slot_ptr[slot], self._slot_strides
+        kp, vp, stream, rows = kq.data_ptr(), vq.data_ptr(), self.compute.handle, 0
+        for d, a, b, o in plan:
+            dst, n = base + d * entry + a * row, (b - a) * row
+            self._memcpy.linear(dst, kp + o * row, n, stream)
+            self._memcpy.linear(dst + kv, vp + o * row, n, stream)
+            rows += b - a
+        return rows
 
     def window(self, layer):
         b, c = self.batch, self.spec.chunk_rows
