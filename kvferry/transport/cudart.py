@@ -103,8 +103,7 @@ class Memcpy:
                         "cudaMemcpy2DAsync")
         else:  # a pitch over the device's limit (a host context of gigabytes per row)
             for i in range(height):
-                self._check(self._fn(dp + i * dpitch, sp + i * spitch, width, MEMCPY_DEFAULT, stream),
-                            "cudaMemcpyAsync")
+                self.linear(dp + i * dpitch, sp + i * spitch, width, stream)
 
     def linear(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """nbytes from address src to address dst: for callers that computed the addresses
