@@ -1,6 +1,6 @@
-"""A ring unit's K and V travel as one copy: the host cache and the slots keep a layer's K and V
-rows of a sequence in one allocation, two rows at a pitch (cudart.pitched), which the pinned
-queue issues as one cudaMemcpy2DAsync and the staged queues split into contiguous rows."""
+"""A ring unit is one plain copy per sequence: the host cache and the slots keep each row's K
+codes and V codes side by side, (ctx, 2, H, row_bytes) per sequence, so a chunk's rows of K and
+V are one run of bytes, one cudaMemcpyAsync on the pinned queue, one pair on the staged ones."""
 
 import ctypes
 
@@ -11,7 +11,6 @@ from kvferry.config import KVConfig
 from kvferry.kv.cache import Batch, KVSpec
 from kvferry.transport import cudart
 from kvferry.transport.host_cache import HostKVCache
-from kvferry.transport.queues import split_rows
 
 CUDA = torch.cuda.is_available()
 
@@ -19,26 +18,6 @@ CUDA = torch.cuda.is_available()
 def _spec(num_seqs=2):
     return KVSpec(num_layers=2, num_seqs=num_seqs, ctx=256, num_kv_heads=2, head_dim=16, kv_type="f16",
                   chunk_rows=64)
-
-
-def test_pitched_reads_rows_at_a_pitch():
-    kv = torch.zeros(3, 2, 10, 4, 8, dtype=torch.uint8)  # (seqs, K/V, rows, H, row bytes)
-    assert cudart.pitched(kv[1]) == (kv[1].data_ptr(), 10 * 32, 10 * 32, 2)  # contiguous: pitch = width
-    assert cudart.pitched(kv[1].view(-1)) == (kv[1].data_ptr(), 2 * 10 * 32, 2 * 10 * 32, 1)
-    unit = kv[1][:, :6]  # six rows of K and of V
-    assert cudart.pitched(unit) == (unit.data_ptr(), 10 * 32, 6 * 32, 2)
-    with pytest.raises(ValueError, match="rows along dim 0"):
-        cudart.pitched(kv[1][:, :, :, ::2])  # no contiguous row
-
-
-def test_split_rows_gives_contiguous_pairs():
-    a = torch.arange(2 * 10 * 8, dtype=torch.uint8).view(2, 10, 8)
-    b = torch.zeros(2, 6, 8, dtype=torch.uint8)
-    pairs = split_rows([(b[:, :4], a[:, 2:6]), (b[0, 4:], a[0, :2])])
-    assert len(pairs) == 3 and all(d.is_contiguous() and s.is_contiguous() for d, s in pairs)
-    for d, s in pairs:
-        d.copy_(s)
-    assert torch.equal(b[:, :4], a[:, 2:6]) and torch.equal(b[0, 4:], a[0, :2])
 
 
 def _submitted(cache, batch):
@@ -63,21 +42,22 @@ def test_a_unit_is_one_copy_per_sequence(pinned):
     cache = HostKVCache(spec, KVConfig(offload=True, pinned=pinned, depth=1), torch.device("cpu"), torch.float32,
                         progress=False)
     try:
-        # K and V of a layer are one allocation: V's rows of a sequence follow its K rows
-        per_seq = spec.ctx * spec.num_kv_heads * spec.row_bytes
+        # K and V of a layer are one allocation: a row's V codes follow its K codes
+        row = spec.num_kv_heads * spec.row_bytes
         for layer in range(spec.num_layers):
             k, v = cache.host_k[layer], cache.host_v[layer]
-            assert v.data_ptr() - k.data_ptr() == per_seq and k.stride(0) == 2 * k[0].numel()
+            assert v.data_ptr() - k.data_ptr() == row and k.stride(1) == 2 * row
         for s in range(2):
             cache.seq_lens[s] = 100
         jobs = _submitted(cache, Batch([0, 1], [100, 100], [1, 1]))
         assert jobs, "no delivery was issued"
+        sizes = []
         for pairs in jobs:
             assert len(pairs) == 2, "a unit of two sequences is not one copy per sequence"
             for dst, src in pairs:
-                _, spitch, width, height = cudart.pitched(src)
-                assert height == 2 and spitch == per_seq and width == 64 * spec.num_kv_heads * spec.row_bytes
-                assert dst.shape == src.shape  # a whole slot's rows: contiguous, one plain copy on CUDA
+                assert dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape
+                sizes.append(src.nbytes)
+        assert set(sizes) == {64 * 2 * row}  # the first unit: chunk 0's 64 rows, K and V
     finally:
         cache.end()
         cache.close()
@@ -85,27 +65,27 @@ def test_a_unit_is_one_copy_per_sequence(pinned):
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("max_pitch", [None, 0])
-def test_memcpy_pitched_on_cuda(max_pitch):
+def test_memcpy_rows_on_cuda(max_pitch):
     # one 2D copy, and the row-by-row fallback where a pitch is over the device's limit
     mc = cudart.Memcpy()
     if max_pitch is not None:
         mc.max_pitch = max_pitch
-    host = torch.randint(0, 255, (2, 1000, 24), dtype=torch.uint8).pin_memory()
-    dev = torch.zeros(2, 300, 24, dtype=torch.uint8, device="cuda")
+    host = torch.randint(0, 255, (1000, 24), dtype=torch.uint8).pin_memory()
+    dev = torch.zeros(300, 2, 24, dtype=torch.uint8, device="cuda")  # rows of a slot: K, V
     stream = torch.cuda.current_stream()
-    mc(dev[:, :250], host[:, 500:750], stream.cuda_stream)
+    mc.rows(dev[10].data_ptr(), 48, host[500].data_ptr(), 24, 24, 250, stream.cuda_stream)
     stream.synchronize()
-    assert torch.equal(dev[:, :250].cpu(), host[:, 500:750])
-    assert not dev[:, 250:].any(), "the copy wrote past its rows"
-    mc(dev, host[:, 100:400], stream.cuda_stream)  # a whole slot (contiguous) from rows at a pitch
+    assert torch.equal(dev[10:260, 0].cpu(), host[500:750])
+    assert not dev[:, 1].any() and not dev[:10].any() and not dev[260:].any(), "the copy wrote past its rows"
+    mc(dev[:200].view(-1), host[100:500].view(-1), stream.cuda_stream)  # contiguous: one plain copy
     stream.synchronize()
-    assert torch.equal(dev.cpu(), host[:, 100:400])
-    with pytest.raises(ValueError, match="one size"):
-        mc(dev[:, :250], host[:, :249], stream.cuda_stream)
+    assert torch.equal(dev[:200].cpu().view(-1), host[100:500].view(-1))
+    with pytest.raises(ValueError, match="contiguous operands of one size"):
+        mc(dev[:, 0], host[:300], stream.cuda_stream)
 
 
 class _HostMemcpy:
-    """cudart.Memcpy.linear on CPU memory (ctypes.memmove): the late writes' address
+    """cudart.Memcpy.linear and .rows on CPU memory (ctypes.memmove): the late writes' address
     arithmetic (HostKVCache._copy_late, CUDA only) checked where CI runs. `skew` bytes off
     the source: the negative control."""
 
@@ -114,6 +94,11 @@ class _HostMemcpy:
 
     def linear(self, dst, src, nbytes, stream):
         ctypes.memmove(dst, src + self.skew, nbytes)
+        self.calls += 1
+
+    def rows(self, dst, dpitch, src, spitch, width, height, stream):
+        for i in range(height):
+            ctypes.memmove(dst + i * dpitch, src + self.skew + i * spitch, width)
         self.calls += 1
 
 

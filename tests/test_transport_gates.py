@@ -222,7 +222,7 @@ def test_graph_passes_write_back_once_per_pass(pinned):
         passes = eng.cache.steps
     finally:
         _restore(eng, old)
-    assert len(jobs) == passes and all(n % (2 * eng.kv_spec.num_layers) == 0 for n in jobs), (jobs, passes)
+    assert len(jobs) == passes and all(n % eng.kv_spec.num_layers == 0 for n in jobs), (jobs, passes)
     _assert_same({"device": ref, "graph-write-backs": got})
     assert caught(eng, prompts, ref, 6, slow, check=as_graph_passes, _unsafe_skip_writeback_wait=True)
 

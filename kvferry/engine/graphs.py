@@ -48,36 +48,25 @@ class DecodeGraphs:
     cache's whole-pass graph (ResidentDecodeGraph) makes the same launches, so output bits
     still do not depend on where the cache lives.
 
-    With the split-KV decode kernel (`kernel`, the one for the cache's shape), only its
-    partials launches are eager: segment i starts with layer i-1's merge over every chunk
-    (each sequence stops at its own last split, so the bits are those of a merge over the
-    chunks it has), and segment 0 makes the kernel's index tensors from the pass's inputs.
-    At 4k context this took a launch per layer off the host and a gap per layer off the
-    device (docs/results.md, "Host time of a 4k pass").
-
     The static K/V code outputs of a segment are overwritten when it is replayed in the
     next pass; the host cache's write-backs read them, so a host cache makes each pass
     wait for the previous pass's write-backs (transport/host_cache.py, begin)."""
 
-    def __init__(self, model: Transformer, n: int, kv_type: str, max_pos: int, kernel=None):
-        self.model, self.max_pos, self.kernel = model, max_pos, kernel
+    def __init__(self, model: Transformer, n: int, kv_type: str, max_pos: int):
+        self.model, self.max_pos = model, max_pos
         dev, dt, L = model.device, model.dtype, model.cfg.num_layers
         model.rope.tables(slice(0, 1), max_pos, dt)  # grow the tables now: graphs hold their addresses
-        self.inp = torch.zeros(3, n, dtype=torch.long, device=dev)  # token ids, positions, sequence ids
+        self.inp = torch.zeros(2, n, dtype=torch.long, device=dev)  # token ids, positions
         self.attn_in = [torch.zeros(n, model.num_q_local * model.cfg.head_dim, dtype=dt, device=dev) for _ in range(L)]
 
         def seg0():
-            ids, pos, seq = self.inp
-            cos, sin = model.rope.tables(pos, max_pos, dt)
-            x = F.embedding(ids, model.w["embed"])
-            # the decode kernel's sequence ids and row counts (int32), static for every launch
-            return (cos, sin, seq.to(torch.int32), (pos + 1).to(torch.int32), x) + model.pre(0, x, cos, sin, kv_type)
+            cos, sin = model.rope.tables(self.inp[1], max_pos, dt)
+            x = F.embedding(self.inp[0], model.w["embed"])
+            return (cos, sin, x) + model.pre(0, x, cos, sin, kv_type)
 
         def seg(i):
             def f():
-                cos, sin, _, ends = self.outs[0][:4]
-                if kernel is not None:
-                    kernel.merge(kernel.max_chunks, ends, out=self.attn_in[i - 1])
+                cos, sin = self.outs[0][0], self.outs[0][1]
                 x = model.post(i - 1, self.outs[i - 1][-4], self.attn_in[i - 1])
                 if i == L:
                     return (model.head(x),)
@@ -94,22 +83,16 @@ class DecodeGraphs:
         self.graphs = _capture(fns, dev, self.outs)
 
     def run(self, tokens, batch: Batch, cache: KVCache) -> torch.Tensor:
-        model, kernel = self.model, self.kernel
-        _put_inputs(self.inp, tokens, batch.positions(), batch.seq_ids)
+        model = self.model
+        _put_inputs(self.inp, tokens, batch.positions())
         cache.begin(batch)
         try:
-            if kernel is not None:  # its index tensors: segment 0's outputs, there before any partials
-                att = AttentionPass(batch, cache, kernel, *self.outs[0][2:4])
-            else:
-                att = model.attention_pass(batch, cache)
+            att = model.attention_pass(batch, cache)
             self.graphs[0].replay()
             for i in range(model.cfg.num_layers):
                 q, kq, vq = self.outs[i][-3:]
                 cache.write_codes(i, kq, vq, static=True)
-                if kernel is not None:
-                    model.attend_partials(i, q, att)  # merged by the next segment
-                else:
-                    model.attend(i, q, att, out=self.attn_in[i])
+                model.attend(i, q, att, out=self.attn_in[i])
                 self.graphs[i + 1].replay()
         finally:
             cache.end()

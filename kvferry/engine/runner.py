@@ -134,12 +134,10 @@ class ModelRunner:
     def _decode_graphs(self, n: int, cache: KVCache):
         """A device-resident cache read by the decode kernel: one graph for the whole pass,
         captured per cache and batch size. Otherwise (a host cache, or -fa off) the
-        segmented graphs, per batch size, KV type and decode kernel."""
+        segmented graphs, per batch size and KV type."""
         from kvferry.engine.graphs import DecodeGraphs, ResidentDecodeGraph
         resident = isinstance(cache, DeviceKVCache) and self.model.decode_kernel
-        # the segmented graphs replay the decode kernel's merge: one set per kernel (cache shape)
-        kernel = self.model.decode_attention(n, cache.spec) if self.model.decode_kernel and not resident else None
-        key = (n, cache.spec.kv_type, resident, kernel)
+        key = (n, cache.spec.kv_type, resident)
         g = self._graphs.get(key)
         if g is not None and resident and g.cache_ref() is not cache:
             # captured for an earlier cache: drop every graph of it (they hold no reference)
@@ -149,7 +147,7 @@ class ModelRunner:
             if g is not None:  # a longer context needs longer RoPE tables: capture again
                 self._graphs.clear()
             g = self._graphs[key] = (ResidentDecodeGraph(self.model, n, cache, cache.spec.ctx - 1) if resident else
-                                     DecodeGraphs(self.model, n, cache.spec.kv_type, cache.spec.ctx - 1, kernel))
+                                     DecodeGraphs(self.model, n, cache.spec.kv_type, cache.spec.ctx - 1))
         return g
 
     # -- KV caches ----------------------------------------------------------------------------

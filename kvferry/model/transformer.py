@@ -220,18 +220,12 @@ class Transformer:
     def _attend_decode(self, layer: int, q, att: "AttentionPass", out):
         """Decode: the split-KV kernel over the cache's code spans, then its merge -> (B, Hq * D).
         The split plan depends on shapes only, so every placement gets the same bits."""
-        return att.kernel.merge(self.attend_partials(layer, q, att), att.ends, out)
-
-    def attend_partials(self, layer: int, q, att: "AttentionPass") -> int:
-        """The decode kernel's partials over the cache's code spans, without the merge (a CUDA
-        graph that replays the merge over every chunk follows: engine/graphs.py) -> the
-        number of chunks they cover."""
         kernel, n = att.kernel, 0
         for span in att.cache.code_spans(layer):
             kernel.partials(q, span.k, span.v, att.seq_ids if span.by_seq else kernel.slot_index, att.ends,
                             chunk0=span.chunk0, num_chunks=span.num_chunks, row0=0)
             n = span.chunk0 + span.num_chunks
-        return n
+        return kernel.merge(n, att.ends, out)
 
     def _chunk_attention(self, q, k, v, row0, start, count):
         """q (Hkv, G*T, D); k, v (n, Hkv, D) rows [row0, row0+n). Returns the chunk's

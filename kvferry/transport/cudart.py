@@ -45,27 +45,11 @@ def _find() -> ctypes.CDLL | None:
     return None
 
 
-def pitched(t: torch.Tensor) -> tuple[int, int, int, int]:
-    """(address, pitch, width, height) of a copy operand, in bytes: dim 0 counts `height` rows,
-    each contiguous (t[i]) and `pitch` bytes after the one before (a ring unit's K and V, slices
-    of one allocation); a contiguous tensor's pitch is its width. A 1-D tensor is one row."""
-    one_row = t.dim() < 2 or t.shape[0] <= 1
-    if not (t.is_contiguous() if one_row else t[0].is_contiguous()):
-        raise ValueError(f"a copy operand must be contiguous, or rows along dim 0 that are; got shape "
-                         f"{tuple(t.shape)} strides {t.stride()}")
-    if one_row:
-        return t.data_ptr(), t.nbytes, t.nbytes, 1
-    return t.data_ptr(), t.stride(0) * t.element_size(), t[0].nbytes, t.shape[0]
-
-
 class Memcpy:
-    """memcpy(dst, src, stream): an asynchronous copy onto `stream`, for pinned host memory and
-    device memory (either way). Operands as `pitched` reads them: two contiguous tensors are one
-    cudaMemcpyAsync; rows at a pitch are one cudaMemcpy2DAsync, so a ring unit's K and V (two
-    rows of one allocation) are one copy, not two (docs/results.md: at 4k an 8 MiB copy moved
-    slower than a 16 MiB one). The function holds the GIL (PyDLL): the call returns in
-    microseconds, and releasing the GIL there would let another thread's Python run in the
-    middle of a step's issue."""
+    """memcpy(dst, src, stream): an asynchronous copy of two contiguous tensors onto `stream`,
+    for pinned host memory and device memory (either way); `linear` and `rows` take addresses.
+    The functions hold the GIL (PyDLL): a call returns in microseconds, and releasing the GIL
+    there would let another thread's Python run in the middle of a step's issue."""
 
     def __init__(self):
         rt = runtime()
@@ -89,26 +73,29 @@ class Memcpy:
         self.max_pitch = value.value  # 0 where unknown: rows are then copied one by one
 
     def __call__(self, dst: torch.Tensor, src: torch.Tensor, stream: int) -> None:
-        dp, dpitch, width, height = pitched(dst)
-        sp, spitch, swidth, sheight = pitched(src)
-        if (width, height) != (swidth, sheight):
-            raise ValueError(f"a ring copy needs operands of one size; got {tuple(dst.shape)} {dst.dtype} and "
-                             f"{tuple(src.shape)} {src.dtype}")
-        if not width:
-            return
-        if height == 1 or dpitch == spitch == width:  # contiguous bytes
-            self.linear(dp, sp, width * height, stream)
-        elif max(dpitch, spitch) <= self.max_pitch:
-            self._check(self._fn2(dp, dpitch, sp, spitch, width, height, MEMCPY_DEFAULT, stream),
-                        "cudaMemcpy2DAsync")
-        else:  # a pitch over the device's limit (a host context of gigabytes per row)
-            for i in range(height):
-                self.linear(dp + i * dpitch, sp + i * spitch, width, stream)
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes != src.nbytes:
+            raise ValueError(f"a ring copy needs contiguous operands of one size; got {tuple(dst.shape)} "
+                             f"{dst.dtype} strides {dst.stride()} and {tuple(src.shape)} {src.dtype} "
+                             f"strides {src.stride()}")
+        if dst.nbytes:
+            self.linear(dst.data_ptr(), src.data_ptr(), dst.nbytes, stream)
 
     def linear(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """nbytes from address src to address dst: for callers that computed the addresses
         (a few integer operations cost less host time than the tensor views they stand for)."""
         self._check(self._fn(dst, src, nbytes, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+    def rows(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        """`height` rows of `width` bytes, each `spitch` bytes after the one before at src and
+        `dpitch` at dst: one plain copy where the rows are contiguous on both sides."""
+        if height == 1 or dpitch == spitch == width:  # contiguous bytes
+            self.linear(dst, src, width * height, stream)
+        elif max(dpitch, spitch) <= self.max_pitch:
+            self._check(self._fn2(dst, dpitch, src, spitch, width, height, MEMCPY_DEFAULT, stream),
+                        "cudaMemcpy2DAsync")
+        else:  # a pitch over the device's limit (a host context of gigabytes per row)
+            for i in range(height):
+                self.linear(dst + i * dpitch, src + i * spitch, width, stream)
 
     def _check(self, rc: int, what: str) -> None:
         if rc:

@@ -1,10 +1,11 @@
 """Host-resident KV cache with ordered and pipelined delivery to the device.
 
-Host layout: per layer one allocation (num_seqs, 2, ctx, H, row_bytes), K then V of each
-sequence, so `host_k[layer]` and `host_v[layer]` are the device cache's (num_seqs, ctx, H,
-row_bytes) as views; the slots are alike, (num_seqs, 2, slot_rows, H, row_bytes). One sequence's
-stable rows of one chunk are then one copy for K and V together (two rows at a pitch,
-cudart.pitched), not two.
+Host layout: per layer one allocation (num_seqs, ctx, 2, H, row_bytes), each row's K codes
+then its V codes, so `host_k[layer]` and `host_v[layer]` are the device cache's (num_seqs, ctx,
+H, row_bytes) as strided views; the slots are alike, (num_seqs, slot_rows, 2, H, row_bytes). One
+sequence's stable rows of one chunk, K and V, are then one run of contiguous bytes: one plain
+copy (a 2D copy of K's rows and V's rows at a pitch cost about four times the host time of a
+plain one, per unit: docs/results.md, "Host time of a 4k pass").
 
 A delivery unit is (layer, chunk): for every sequence in the batch, the rows of that
 chunk that are already in host memory ("stable prefix", below the first row this pass
@@ -117,13 +118,13 @@ class HostKVCache(KVCache):
         self.depth, self.decline_reason = self._plan.depth, self._plan.reason
         n, device = self.num_slots, self.device
         try:
-            shape = (self.spec.num_seqs, 2, self.slot_rows, self.spec.num_kv_heads, self.spec.row_bytes)
+            shape = (self.spec.num_seqs, self.slot_rows, 2, self.spec.num_kv_heads, self.spec.row_bytes)
             slots = [torch.zeros(shape, dtype=torch.uint8, device=device) for _ in range(n)]
-            self.slot_k = [t[:, 0] for t in slots]
-            self.slot_v = [t[:, 1] for t in slots]
-            self._skv = [[t[j] for j in range(shape[0])] for t in slots]  # per batch index: (2, rows, H, rb)
+            self.slot_k = [t[:, :, 0] for t in slots]
+            self.slot_v = [t[:, :, 1] for t in slots]
+            self._skv = [[t[j] for j in range(shape[0])] for t in slots]  # per batch index: (rows, 2, H, rb)
             self._slot_ptr = [t.data_ptr() for t in slots]  # and as addresses, with its byte strides:
-            self._slot_strides = slots[0].stride()[:3]  # batch entry, K to V, row
+            self._slot_strides = slots[0].stride()[:3]  # batch entry, row, K to V
         except torch.OutOfMemoryError:
             raise KvferryError(f"no device memory for even one {self.slot_bytes / MiB:.1f} MiB delivery slot: "
                                "lower --kv-chunk or -np") from None
@@ -193,7 +194,7 @@ class HostKVCache(KVCache):
     def _alloc_host(self, progress) -> bool:
         """Allocate (and pin, if asked and possible) the host cache; returns whether it is pinned."""
         spec = self.spec
-        shape = (spec.num_seqs, 2, *spec.layer_shape()[1:])
+        shape = (spec.num_seqs, spec.ctx, 2, spec.num_kv_heads, spec.row_bytes)
         nbytes = math.prod(shape)
         pin = self.kv.pinned
         ram = hostmem.memory_bytes()[0]
@@ -224,10 +225,10 @@ class HostKVCache(KVCache):
         bar.close()
         if pin and pin_s > 0.5:
             log.info("host KV: allocated in %.1f s, of which pinning %.1f s", time.perf_counter() - t_start, pin_s)
-        self.host_k = [t[:, 0] for t in self.host_kv]
-        self.host_v = [t[:, 1] for t in self.host_kv]
+        self.host_k = [t[:, :, 0] for t in self.host_kv]
+        self.host_v = [t[:, :, 1] for t in self.host_kv]
         # per layer and sequence: views made once, so a copy's source is one slice per step
-        self._hkv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_kv]  # (2, ctx, H, rb)
+        self._hkv = [[t[q] for q in range(spec.num_seqs)] for t in self.host_kv]  # (ctx, 2, H, rb)
         return pin
 
     def _unpin(self) -> None:
@@ -345,7 +346,7 @@ class HostKVCache(KVCache):
             if n <= 0:
                 continue
             r0 = i * c
-            jobs.append((self._skv[slot][j][:, :n], self._hkv[layer][s][:, r0:r0 + n]))  # K and V
+            jobs.append((self._skv[slot][j][:n], self._hkv[layer][s][r0:r0 + n]))  # K and V: contiguous
             sent += 2 * n * self.spec.num_kv_heads * self.spec.row_bytes
         waits = [] if self._unsafe_early_recycle else [self.release[slot]]
         if u == 0 and self.steps and not self._unsafe_skip_wb:  # the previous pass's rows are read from here on
@@ -388,15 +389,19 @@ class HostKVCache(KVCache):
         self._new[layer] = (kq, vq)
         if self.resident is not None:
             self.resident.store(layer, kq, vq)
-        jobs, b = self._wb_jobs, self.batch
-        if len(b.seq_ids) == 1:
-            h, start, end = self._hkv[layer][b.seq_ids[0]], b.starts[0], b.ends[0]
-            jobs += [(h[0, start:end], kq), (h[1, start:end], vq)]
+        jobs, b, hkv = self._wb_jobs, self.batch, self._hkv[layer]
+        if len(b.seq_ids) == 1 and b.ends[0] - b.starts[0] == 1:  # one decode row: its K and its V
+            h = hkv[b.seq_ids[0]][b.starts[0]]
+            jobs += [(h[0], kq[0]), (h[1], vq[0])]
         else:
             for j, (s, start, end) in enumerate(zip(b.seq_ids, b.starts, b.ends)):
-                h, o0, o1 = self._hkv[layer][s], b.offsets[j], b.offsets[j + 1]
-                jobs.append((h[0, start:end], kq[o0:o1]))
-                jobs.append((h[1, start:end], vq[o0:o1]))
+                o0, o1 = b.offsets[j], b.offsets[j + 1]
+                if end - start == 1:
+                    jobs += [(hkv[s][start, 0], kq[o0]), (hkv[s][start, 1], vq[o0])]
+                else:  # rows interleaved here, on the device, so the copy back is one run of bytes
+                    kv = torch.stack((kq[o0:o1], vq[o0:o1]), 1)
+                    jobs.append((hkv[s][start:end], kv))
+                    self._wb_keep.append(kv)
         self._step["writeback"] += 2 * kq.numel()
         if not static:  # an eager pass's rows: copied now, so their memory is not held to the end
             self._wb_keep += [kq, vq]
@@ -449,12 +454,16 @@ class HostKVCache(KVCache):
         layer and step, torch's two copy_ and the views they take were the largest host cost
         of a 4k host pass after the ring's own copies (docs/results.md, "Host time of a 4k
         pass"). Same copies, same bytes."""
-        base, (entry, kv, row) = self._slot_ptr[slot], self._slot_strides
-        kp, vp, stream, rows = kq.data_ptr(), vq.data_ptr(), self.compute.handle, 0
+        base, (entry, row, kv) = self._slot_ptr[slot], self._slot_strides
+        kp, vp, stream, rows, mc = kq.data_ptr(), vq.data_ptr(), self.compute.handle, 0, self._memcpy
         for d, a, b, o in plan:
-            dst, n = base + d * entry + a * row, (b - a) * row
-            self._memcpy.linear(dst, kp + o * row, n, stream)
-            self._memcpy.linear(dst + kv, vp + o * row, n, stream)
+            dst = base + d * entry + a * row
+            if b - a == 1:  # a decode row: two plain copies
+                mc.linear(dst, kp + o * kv, kv, stream)
+                mc.linear(dst + kv, vp + o * kv, kv, stream)
+            else:  # rows of a slot are 2 * kv bytes apart, the pass's rows kv bytes
+                mc.rows(dst, row, kp + o * kv, kv, kv, b - a, stream)
+                mc.rows(dst + kv, row, vp + o * kv, kv, kv, b - a, stream)
             rows += b - a
         return rows
 

@@ -1,8 +1,7 @@
 """Copy queues: the one interface through which the transport moves bytes.
 
 A queue runs jobs in submission order. `submit(pairs, waits, signal, keep)` queues the copies
-of `pairs` (dst, src) of one shape, each tensor contiguous or rows along dim 0 that are (a
-ring unit's K and V, two rows of one allocation: `cudart.pitched`), to run after the `waits`
+of `pairs` (dst, src), contiguous tensors of one size in bytes, to run after the `waits`
 (SlotEvents, at the generation armed when submitted), then marks `signal`; it returns at
 once. `fence()` makes the host wait for every job submitted so far; `close()` fences and
 stops the queue.
@@ -31,18 +30,6 @@ import time
 import torch
 
 from kvferry.transport.events import SlotEvent
-
-
-def split_rows(pairs) -> list:
-    """`pairs` with every pair that is not contiguous split into its rows along dim 0, for the
-    queues that copy contiguous bytes (the staged ones)."""
-    out = []
-    for dst, src in pairs:
-        if dst.is_contiguous() and src.is_contiguous():
-            out.append((dst, src))
-        else:
-            out += [(dst[i], src[i]) for i in range(dst.shape[0])]
-    return out
 
 
 class CopyQueue:

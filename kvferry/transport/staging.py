@@ -31,7 +31,7 @@ import torch
 
 from kvferry.transport import hostmem
 from kvferry.transport.events import SlotEvent
-from kvferry.transport.queues import CopyQueue, ThreadQueue, split_rows
+from kvferry.transport.queues import CopyQueue, ThreadQueue
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +195,6 @@ class NativeQueue(CopyQueue):
         return ev
 
     def submit(self, pairs, waits=(), signal=None, keep=()):
-        pairs = split_rows(pairs)
         raw = _check_pairs(pairs, self.to_device, self.device)  # refused before anything is queued
         chunk, halves = _plan(self, raw)
         if signal is None:  # a fence needs something to wait for
@@ -258,7 +257,6 @@ class PyStagedQueue(ThreadQueue):
         self._h = 0
 
     def submit(self, pairs, waits=(), signal=None, keep=()):
-        pairs = split_rows(pairs)
         raw = _check_pairs(pairs, self.to_device, self.device)
         chunk, halves = _plan(self, raw)
         if self.device.type == "cuda":
