@@ -457,13 +457,10 @@ class HostKVCache(KVCache):
         base, (entry, row, kv) = self._slot_ptr[slot], self._slot_strides
         kp, vp, stream, rows, mc = kq.data_ptr(), vq.data_ptr(), self.compute.handle, 0, self._memcpy
         for d, a, b, o in plan:
+            # rows of a slot are 2 * kv bytes apart, the pass's rows kv bytes (a decode row: a plain copy)
             dst = base + d * entry + a * row
-            if b - a == 1:  # a decode row: two plain copies
-                mc.linear(dst, kp + o * kv, kv, stream)
-                mc.linear(dst + kv, vp + o * kv, kv, stream)
-            else:  # rows of a slot are 2 * kv bytes apart, the pass's rows kv bytes
-                mc.rows(dst, row, kp + o * kv, kv, kv, b - a, stream)
-                mc.rows(dst + kv, row, vp + o * kv, kv, kv, b - a, stream)
+            mc.rows(dst, row, kp + o * kv, kv, kv, b - a, stream)
+            mc.rows(dst + kv, row, vp + o * kv, kv, kv, b - a, stream)
             rows += b - a
         return rows
 
